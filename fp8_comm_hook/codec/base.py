@@ -1,0 +1,80 @@
+"""The codec interface and the scale rule every backend shares.
+
+Wire rule per scale group with amax a (over the group's elements, in fp32):
+  - a finite and > 0: ``scale = min(fmax / a, FLT_MAX)`` (times ``pre_scale`` for an FP8 sum),
+    ``q = RNE(clamp(x * scale, -fmax, fmax))``, ``scale_inv = 1 / scale``;
+  - a == 0: ``scale = scale_inv = 1``;
+  - a non-finite (an Inf or NaN in the group): ``scale_inv = NaN``, so the group dequantizes to NaN
+    everywhere; its payload bytes are unspecified.
+"""
+import abc
+from typing import Optional
+
+import torch
+
+from ..formats import FLOAT32_MAX, FP8Format
+from ..layout import ScaleGroups
+
+__all__ = ["Codec", "compute_scales"]
+
+
+def compute_scales(amax: torch.Tensor, fmax: float, pre_scale: float, scale_out: torch.Tensor,
+                   scale_inv_out: torch.Tensor) -> None:
+    """Fill ``scale_out`` and ``scale_inv_out`` (fp32, like ``amax``) by the wire rule above."""
+    finite = torch.isfinite(amax)
+    positive = finite & (amax > 0)
+    torch.div(fmax, amax, out=scale_out)
+    scale_out.clamp_(max=FLOAT32_MAX)
+    if pre_scale != 1.0:
+        scale_out.mul_(pre_scale)
+    scale_out.masked_fill_(~positive, 1.0)
+    torch.reciprocal(scale_out, out=scale_inv_out)
+    scale_inv_out.masked_fill_(~finite, float("nan"))
+
+
+class Codec(abc.ABC):
+    """Quantizes fp32 rows to FP8 payload + fp32 scale_inv per scale group, and back.
+
+    Shapes: ``x`` and ``out`` are flat fp32 of ``groups.rows * groups.chunk_numel``; ``payload`` is
+    uint8 ``[rows, chunk_numel]`` (may be a strided view into a packed buffer); ``scale_inv`` is
+    fp32 ``[rows, groups_per_row]`` (may be a view). Scratch comes from the caller (the layout), so
+    a step allocates nothing beyond what the layout preallocated.
+    """
+
+    name = "abstract"
+
+    def __init__(self, fmt: FP8Format):
+        self.fmt = fmt
+
+    @abc.abstractmethod
+    def group_amax(self, x: torch.Tensor, groups: ScaleGroups, work: torch.Tensor,
+                   block_amax: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Write the amax of every scale group of ``x`` into ``out`` (NaN reported as +Inf, so a
+        MAX all-reduce keeps it); returns ``out``."""
+
+    @abc.abstractmethod
+    def quantize_with_amax(self, x: torch.Tensor, groups: ScaleGroups, amax: torch.Tensor,
+                           payload: torch.Tensor, scale_inv: torch.Tensor, *, pre_scale: float,
+                           work: torch.Tensor, group_scale: torch.Tensor, block_scale: torch.Tensor,
+                           generator: Optional[torch.Generator] = None) -> None:
+        """Quantize ``x`` with scales derived from the given group ``amax``."""
+
+    def quantize(self, x: torch.Tensor, groups: ScaleGroups, payload: torch.Tensor,
+                 scale_inv: torch.Tensor, *, work: torch.Tensor, block_amax: torch.Tensor,
+                 group_amax: torch.Tensor, group_scale: torch.Tensor, block_scale: torch.Tensor,
+                 generator: Optional[torch.Generator] = None) -> None:
+        """Quantize ``x`` with its own per-group scales (amax, then cast)."""
+        self.group_amax(x, groups, work, block_amax, group_amax)
+        self.quantize_with_amax(x, groups, group_amax, payload, scale_inv, pre_scale=1.0, work=work,
+                                group_scale=group_scale, block_scale=block_scale, generator=generator)
+
+    @abc.abstractmethod
+    def dequantize(self, payload: torch.Tensor, scale_inv: torch.Tensor, groups: ScaleGroups,
+                   out: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+        """``out = q * scale_inv`` per group, in fp32; returns ``out``."""
+
+    @abc.abstractmethod
+    def dequantize_sum(self, payload: torch.Tensor, scale_inv: torch.Tensor, groups: ScaleGroups,
+                       out: torch.Tensor, work: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+        """Sum the ``groups.rows`` dequantized rows into ``out`` (``chunk_numel`` fp32), adding in
+        row order 0, 1, ..., W-1 in fp32; returns ``out``."""

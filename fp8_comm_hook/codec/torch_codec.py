@@ -1,0 +1,101 @@
+"""The reference codec in eager torch: runs on CPU and GPU and defines the bytes on the wire."""
+from typing import Optional
+
+import torch
+
+from ..layout import ScaleGroups
+from .base import Codec, compute_scales
+
+__all__ = ["TorchCodec"]
+
+_INF = float("inf")
+
+
+class TorchCodec(Codec):
+    """Eager-torch FP8 codec (the ground truth for the other backends).
+
+    Every op writes into caller-provided buffers (``out=`` forms), so a step allocates only the
+    small temporaries of masking ops. Stochastic rounding draws uniforms from ``generator``.
+    """
+
+    name = "torch"
+
+    def __init__(self, fmt, stochastic_rounding: bool = False):
+        super().__init__(fmt)
+        self.stochastic_rounding = stochastic_rounding
+        # Smallest normal exponent (of 2^e) of the format; below it the FP8 grid spacing is fixed.
+        self._min_exp = -6 if fmt.name == "e4m3" else -14
+
+    def group_amax(self, x, groups: ScaleGroups, work, block_amax, out):
+        bs = groups.block_size
+        n = groups.rows * groups.chunk_numel
+        w = work[:n].view(-1, bs)
+        torch.abs(x[:n].view(-1, bs), out=w)
+        bam = block_amax[:groups.num_blocks]
+        torch.amax(w, dim=1, out=bam)
+        torch.nan_to_num_(bam, nan=_INF, posinf=_INF)
+        if groups.block_group is None:
+            out[:groups.num_groups].copy_(bam)
+        else:
+            g = out[:groups.num_groups]
+            g.zero_()
+            g.scatter_reduce_(0, groups.block_group, bam, reduce="amax", include_self=True)
+        return out
+
+    def quantize_with_amax(self, x, groups: ScaleGroups, amax, payload, scale_inv, *, pre_scale,
+                           work, group_scale, block_scale, generator: Optional[torch.Generator] = None):
+        bs, fmax = groups.block_size, self.fmt.fmax
+        rows, C, G = groups.rows, groups.chunk_numel, groups.num_groups
+        gs = group_scale[:G]
+        sinv_flat = scale_inv.reshape(-1) if scale_inv.is_contiguous() else None
+        if sinv_flat is not None:
+            compute_scales(amax[:G], fmax, pre_scale, gs, sinv_flat)
+        else:  # strided view into a packed buffer: compute into a temporary-free path via copy
+            tmp = block_scale[:G]
+            compute_scales(amax[:G], fmax, pre_scale, gs, tmp)
+            scale_inv.copy_(tmp.view(rows, -1))
+        if groups.block_group is None:
+            bsc = gs
+        else:
+            bsc = block_scale[:groups.num_blocks]
+            torch.index_select(gs, 0, groups.block_group, out=bsc)
+        n = rows * C
+        w = work[:n]
+        torch.mul(x[:n].view(-1, bs), bsc[:, None], out=w.view(-1, bs))
+        w.clamp_(-fmax, fmax)
+        if self.stochastic_rounding:
+            self._stochastic_round_(w, generator)
+        payload.view(self.fmt.dtype).copy_(w.view(rows, C))
+
+    def _stochastic_round_(self, w: torch.Tensor, generator: Optional[torch.Generator]) -> None:
+        """Round ``w`` (already within +-fmax) in place to a neighbouring FP8 grid point, up with
+        probability equal to the distance from the lower one over the spacing (unbiased)."""
+        _, e = torch.frexp(w)                      # |w| = m * 2^e, m in [0.5, 1)
+        e = (e - 1).clamp_(min=self._min_exp)      # floor(log2|w|), flushed to the subnormal range
+        ulp = torch.ldexp(torch.ones_like(w), e - self.fmt.mantissa_bits)
+        lo = torch.floor(w / ulp) * ulp
+        u = torch.rand(w.shape, generator=generator, device=w.device, dtype=w.dtype)
+        up = u < (w - lo) / ulp
+        torch.where(up, lo + ulp, lo, out=w)
+        w.clamp_(-self.fmt.fmax, self.fmt.fmax)
+
+    def dequantize(self, payload, scale_inv, groups: ScaleGroups, out, block_scale):
+        rows, C, bs = groups.rows, groups.chunk_numel, groups.block_size
+        o = out[:rows * C]
+        o.view(rows, C).copy_(payload.view(self.fmt.dtype))
+        sinv = scale_inv.reshape(-1)
+        if groups.block_group is not None:
+            bsc = block_scale[:groups.num_blocks]
+            torch.index_select(sinv, 0, groups.block_group, out=bsc)
+            sinv = bsc
+        o.view(-1, bs).mul_(sinv[:, None])
+        return out
+
+    def dequantize_sum(self, payload, scale_inv, groups: ScaleGroups, out, work, block_scale):
+        rows, C = groups.rows, groups.chunk_numel
+        self.dequantize(payload, scale_inv, groups, work, block_scale)
+        w = work[:rows * C].view(rows, C)
+        out.copy_(w[0])
+        for r in range(1, rows):
+            out.add_(w[r])
+        return out

@@ -1,0 +1,153 @@
+"""``FP8CommConfig``: every knob of FP8 gradient communication, validated once.
+
+Build it from keyword arguments, a dict (:meth:`FP8CommConfig.from_dict`), environment variables
+(:meth:`FP8CommConfig.from_env`, ``FP8_COMM_<FIELD>``) or argparse (:mod:`fp8_comm_hook.cli`).
+"""
+import dataclasses
+import math
+import os
+from typing import Any, Mapping, Optional
+
+__all__ = ["FP8CommConfig", "ENV_PREFIX"]
+
+ENV_PREFIX = "FP8_COMM_"
+
+FP8_FORMATS = ("e4m3", "e5m2")
+SCALINGS = ("block", "tensor", "bucket")
+ALGORITHMS = ("two_shot", "nccl_fp8", "none", "auto")
+BACKENDS = ("auto", "torch", "triton", "te")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+#: Buckets with fewer elements than this go through a plain all-reduce by default. Below about 64K
+#: elements (256 KB of fp32) the two collectives and the codec's fixed cost exceed what FP8 saves on
+#: the wire (see README, "Choosing min_compress_numel", measured with scripts/bench_hook.py).
+DEFAULT_MIN_COMPRESS_NUMEL = 65536
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8CommConfig:
+    """Settings for FP8 gradient communication; validated on construction.
+
+    Fields (defaults in brackets):
+      fp8_format ["e4m3"]: "e4m3" (more precision, max 448) or "e5m2" (more range, max 57344).
+      scaling ["block"]: "block" (one fp32 scale per ``block_size`` elements), "tensor" (one scale
+        per parameter segment of a shard) or "bucket" (one scale per shard of the bucket).
+      block_size [128]: elements per scaling block; a power of two in [16, 8192]. Every parameter
+        starts on a block boundary in every mode.
+      algorithm ["two_shot"]: "two_shot" (all-to-all of FP8 chunks, fp32 sum, all-gather of FP8
+        shards; gloo and NCCL), "nccl_fp8" (FP8 SUM all-reduce with shared scales; NCCL on sm90+),
+        "none" (plain all-reduce) or "auto" (currently "two_shot").
+      pre_scale [None]: factor applied before an FP8 sum (nccl_fp8 only); None means 1/sqrt(world).
+      backend ["auto"]: codec kernels: "torch", "triton", "te" or "auto" (torch on CPU; on CUDA, TE
+        for tensor/bucket scaling when installed, else Triton).
+      error_feedback [False]: carry each rank's quantization error to the next step.
+      stochastic_rounding [False]: unbiased random rounding to the FP8 grid instead of RNE.
+      seed [0]: seed of the stochastic-rounding generator (mixed with the step counter).
+      min_compress_numel [65536]: buckets with fewer elements go uncompressed; 0 compresses all.
+      warmup_steps [0]: the first N steps go uncompressed.
+    """
+
+    fp8_format: str = "e4m3"
+    scaling: str = "block"
+    block_size: int = 128
+    algorithm: str = "two_shot"
+    pre_scale: Optional[float] = None
+    backend: str = "auto"
+    error_feedback: bool = False
+    stochastic_rounding: bool = False
+    seed: int = 0
+    min_compress_numel: int = DEFAULT_MIN_COMPRESS_NUMEL
+    warmup_steps: int = 0
+
+    def __post_init__(self):
+        _choice("fp8_format", self.fp8_format, FP8_FORMATS)
+        _choice("scaling", self.scaling, SCALINGS)
+        _choice("algorithm", self.algorithm, ALGORITHMS)
+        _choice("backend", self.backend, BACKENDS)
+        bs = self.block_size
+        if not _is_int(bs) or bs < 16 or bs > 8192 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two in [16, 8192], got {bs!r}")
+        if self.pre_scale is not None:
+            ps = self.pre_scale
+            if isinstance(ps, bool) or not isinstance(ps, (int, float)) or not math.isfinite(ps) or not 0 < ps <= 1:
+                raise ValueError(f"pre_scale must be None or a number in (0, 1], got {ps!r}")
+        for name in ("error_feedback", "stochastic_rounding"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in ("min_compress_numel", "warmup_steps", "seed"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "FP8CommConfig":
+        """Build from a mapping of field names to values; unknown keys raise ``ValueError``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown FP8CommConfig field(s) {unknown}; allowed: {sorted(names)}")
+        return cls(**dict(d))
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, base: Optional["FP8CommConfig"] = None) -> "FP8CommConfig":
+        """Build from ``FP8_COMM_<FIELD>`` variables of ``environ`` (default ``os.environ``),
+        starting from ``base`` (default: the defaults). A bad value raises ``ValueError`` naming the
+        variable, e.g. ``FP8_COMM_FP8_FORMAT=e5m2 FP8_COMM_ERROR_FEEDBACK=1``."""
+        environ = os.environ if environ is None else environ
+        values = dataclasses.asdict(base) if base is not None else {}
+        for f in dataclasses.fields(cls):
+            var = ENV_PREFIX + f.name.upper()
+            if var in environ:
+                try:
+                    values[f.name] = _parse_field(f.name, environ[var])
+                except ValueError as e:
+                    raise ValueError(f"environment variable {var}={environ[var]!r}: {e}") from None
+        try:
+            return cls(**values)
+        except ValueError as e:
+            set_vars = [v for v in environ if v.startswith(ENV_PREFIX)]
+            raise ValueError(f"{e} (from environment variables {set_vars})") from None
+
+    def replace(self, **changes) -> "FP8CommConfig":
+        """Return a copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """Return the fields as a plain dict (what :meth:`from_dict` accepts)."""
+        return dataclasses.asdict(self)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _choice(field: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{field} must be one of {list(allowed)}, got {value!r}")
+
+
+def _parse_field(name: str, text: str):
+    """Parse the string form of field ``name`` (used for env vars and the command line)."""
+    text = text.strip()
+    if name in ("error_feedback", "stochastic_rounding"):
+        low = text.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError(f"{name} must be one of {list(_TRUE + _FALSE)}")
+    if name in ("block_size", "min_compress_numel", "warmup_steps", "seed"):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{name} must be an integer") from None
+    if name == "pre_scale":
+        if text.lower() in ("", "none", "auto"):
+            return None
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError("pre_scale must be a number or 'none'") from None
+    return text

@@ -1,0 +1,236 @@
+"""``FP8CommState``: what the hooks keep between steps (config, group, layouts, error-feedback
+residuals, the step counter and the stats), with checkpointing that holds only tensors and
+primitives and pickling without the process group (as torch's PowerSGD state does)."""
+import logging
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .codec import get_codec
+from .config import FP8CommConfig
+from .layout import BucketLayout
+from .stats import CommStats, ring_allreduce_bytes
+
+__all__ = ["FP8CommState"]
+
+log = logging.getLogger("fp8_comm_hook")
+STATE_VERSION = 1
+
+
+class FP8CommState:
+    """Per-rank state of FP8 gradient communication for one model.
+
+    Args:
+      config: an :class:`FP8CommConfig` (default: the defaults).
+      process_group: the data-parallel group (default: the world group).
+
+    Call :meth:`bind` with the model so per-parameter state (error-feedback residuals) is keyed by
+    parameter name; unbound, it is keyed by parameter identity, which does not survive a resume into
+    a fresh model (``state_dict()["keyed_by"]`` says which).
+    """
+
+    def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
+        if config is not None and not isinstance(config, FP8CommConfig):
+            raise TypeError(f"config must be an FP8CommConfig or None, got {type(config).__name__}")
+        self.config = config if config is not None else FP8CommConfig()
+        self.process_group = process_group
+        self.step = 0
+        self._stats = CommStats()
+        self._names: Dict[int, str] = {}
+        self._layouts: Dict[tuple, BucketLayout] = {}
+        self._owner: Dict[str, tuple] = {}           # parameter key -> layout key holding it
+        self._stored_residuals: Dict[str, torch.Tensor] = {}
+        self._codecs: Dict[torch.device, object] = {}
+        self._generators: Dict[torch.device, torch.Generator] = {}
+        self._bucket_in_step = 0
+
+    # ------------------------------------------------------------------ binding and identity
+    def bind(self, model: torch.nn.Module) -> "FP8CommState":
+        """Record parameter names of ``model`` (a DDP/FSDP wrapper or a plain module: the wrapped
+        module's names are used, so they match an unwrapped model's). Returns self."""
+        inner = getattr(model, "module", model)
+        self._names = {id(p): n for n, p in inner.named_parameters()}
+        return self
+
+    @property
+    def keyed_by(self) -> str:
+        """"name" after :meth:`bind`, else "identity"."""
+        return "name" if self._names else "identity"
+
+    def _key(self, p: torch.Tensor) -> str:
+        name = self._names.get(id(p))
+        return name if name is not None else f"id:{id(p)}"
+
+    @property
+    def group(self):
+        """The process group in use (the world group when none was given)."""
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group."""
+        return dist.get_world_size(self.process_group)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the group."""
+        return dist.get_rank(self.process_group)
+
+    # ------------------------------------------------------------------ per-step machinery
+    def codec_for(self, device: torch.device):
+        """The codec for gradients on ``device`` (built once per device)."""
+        device = torch.device(device)
+        c = self._codecs.get(device)
+        if c is None:
+            c = self._codecs[device] = get_codec(self.config, device)
+        return c
+
+    def generator_for(self, device: torch.device) -> Optional[torch.Generator]:
+        """The stochastic-rounding generator, reseeded from (seed, step, bucket, rank) so that runs
+        are reproducible; None when rounding is RNE."""
+        if not self.config.stochastic_rounding:
+            return None
+        device = torch.device(device)
+        g = self._generators.get(device)
+        if g is None:
+            g = self._generators[device] = torch.Generator(device=device)
+        mix = (self.config.seed * 1_000_003 + self.step) * 65_537 + self._bucket_in_step
+        g.manual_seed((mix * 8191 + self.rank) & 0x7FFF_FFFF_FFFF_FFFF)
+        return g
+
+    def layout_for(self, params: List[torch.Tensor], grads: List[torch.Tensor], flat: torch.Tensor) -> BucketLayout:
+        """The cached layout of a bucket holding ``params`` (whose gradients ``grads`` are views of
+        ``flat``); built anew when DDP rebuilt its buckets, carrying residuals over by parameter."""
+        keys = tuple(self._key(p) for p in params)
+        lkey = (keys, flat.numel(), flat.dtype, flat.device)
+        layout = self._layouts.get(lkey)
+        if layout is not None:
+            return layout
+        esize = flat.element_size()
+        base = flat.data_ptr()
+        offsets = [(g.data_ptr() - base) // esize for g in grads]
+        numels = [g.numel() for g in grads]
+        layout = BucketLayout(numels, offsets, keys, self.world_size, self.rank, self.config.block_size,
+                              self.config.scaling, flat.numel(), flat.dtype, flat.device)
+        # Retire layouts that held any of these parameters (a bucket rebuild): keep their residuals.
+        for old in {self._owner[k] for k in keys if k in self._owner and self._owner[k] != lkey}:
+            self._retire(old)
+        for k in keys:
+            self._owner[k] = lkey
+        self._layouts[lkey] = layout
+        if self.config.error_feedback:
+            self._restore_residuals(layout)
+        return layout
+
+    def _retire(self, lkey: tuple) -> None:
+        old = self._layouts.pop(lkey, None)
+        if old is None:
+            return
+        if old.residual is not None:
+            for i, name in enumerate(old.names):
+                self._stored_residuals[name] = old.segment(old.residual, i).clone()
+        for k in old.names:
+            if self._owner.get(k) == lkey:
+                del self._owner[k]
+
+    def _restore_residuals(self, layout: BucketLayout) -> None:
+        hits = [(i, n) for i, n in enumerate(layout.names) if n in self._stored_residuals]
+        if not hits:
+            return
+        res = layout.ensure_residual()
+        for i, name in hits:
+            r = self._stored_residuals.pop(name)
+            if r.numel() == layout.numels[i]:
+                layout.segment(res, i).copy_(r.to(res.device, res.dtype))
+            else:
+                log.warning("fp8_comm_hook: dropping residual of %s: %d elements saved, %d now", name,
+                            r.numel(), layout.numels[i])
+
+    def mode_for(self, numel: int) -> str:
+        """The wire algorithm for a bucket of ``numel`` elements at the current step."""
+        cfg = self.config
+        if cfg.algorithm == "none" or self.step < cfg.warmup_steps or numel < cfg.min_compress_numel:
+            return "none"
+        return "two_shot" if cfg.algorithm == "auto" else cfg.algorithm
+
+    def count_bucket(self, flat: torch.Tensor, compressed: bool) -> None:
+        """Account one bucket in the stats (baseline: a ring all-reduce in its own dtype)."""
+        self._stats.add("bytes_baseline", ring_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size))
+        self._stats.add("compressed_buckets" if compressed else "uncompressed_buckets", 1)
+
+    def end_bucket(self, is_last: bool) -> None:
+        """Advance the bucket counter; after the step's last bucket, the step counter."""
+        self._bucket_in_step += 1
+        if is_last:
+            self._bucket_in_step = 0
+            self.step += 1
+            self._stats.add("steps", 1)
+
+    @property
+    def stats_recorder(self) -> CommStats:
+        """The counters the wire algorithms add to."""
+        return self._stats
+
+    def stats(self) -> Dict[str, int]:
+        """Counters since registration: steps, bytes_sent, bytes_baseline, compressed_buckets,
+        uncompressed_buckets, nonfinite_buckets, saturated_values (reading device counters)."""
+        return self._stats.as_dict()
+
+    # ------------------------------------------------------------------ checkpointing
+    def residuals(self) -> Dict[str, torch.Tensor]:
+        """This rank's error-feedback residual per parameter key (fp32 copies, unpadded)."""
+        out = dict((k, v.clone()) for k, v in self._stored_residuals.items())
+        for layout in self._layouts.values():
+            if layout.residual is not None:
+                for i, name in enumerate(layout.names):
+                    out[name] = layout.segment(layout.residual, i).detach().cpu().clone()
+        return {k: v.cpu() for k, v in out.items()}
+
+    def state_dict(self) -> dict:
+        """Tensors and primitives only (``torch.load(weights_only=True)`` works): version, step,
+        world size, config, ``keyed_by``, stats and this rank's residuals. Per rank: save one file
+        per rank (residuals differ by rank)."""
+        try:
+            world = self.world_size
+        except Exception:
+            world = None
+        return {"version": STATE_VERSION, "step": self.step, "world_size": world,
+                "config": self.config.to_dict(), "keyed_by": self.keyed_by, "stats": self.stats(),
+                "residuals": self.residuals()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore from :meth:`state_dict` output (after binding to a fresh model). Residuals saved
+        at another world size, or keyed by identity, are dropped with a warning."""
+        if sd.get("version") != STATE_VERSION:
+            raise ValueError(f"state_dict version {sd.get('version')!r} is not {STATE_VERSION}")
+        self.step = int(sd["step"])
+        self._stats.load(sd.get("stats", {}))
+        residuals = dict(sd.get("residuals", {}))
+        if residuals and sd.get("keyed_by") != "name":
+            log.warning("fp8_comm_hook: dropping %d residuals keyed by parameter identity (bind the state "
+                        "to the model before saving to keep them)", len(residuals))
+            residuals = {}
+        try:
+            world = self.world_size
+        except Exception:
+            world = sd.get("world_size")
+        if residuals and sd.get("world_size") != world:
+            log.warning("fp8_comm_hook: dropping residuals saved at world size %s (now %s)", sd.get("world_size"), world)
+            residuals = {}
+        for layout in list(self._layouts):
+            self._retire(layout)
+        self._stored_residuals = {k: v.clone() for k, v in residuals.items()}
+
+    # ------------------------------------------------------------------ pickling (no process group)
+    def __getstate__(self):
+        # Parameter names are keyed by object identity, which means nothing in another process:
+        # call bind() again after unpickling. Residuals (keyed by name) travel.
+        return {"config": self.config, "step": self.step, "stats": self._stats.as_dict(),
+                "residuals": self.residuals()}
+
+    def __setstate__(self, s):
+        self.__init__(s["config"], None)
+        self.step = s["step"]
+        self._stats.load(s["stats"])
+        self._stored_residuals = s["residuals"]

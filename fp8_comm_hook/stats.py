@@ -1,0 +1,50 @@
+"""Counters of what the hooks sent, cumulative since registration."""
+from typing import Dict
+
+import torch
+
+__all__ = ["CommStats", "ring_allreduce_bytes"]
+
+
+def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2(W-1)/W * nbytes."""
+    return 2 * (world_size - 1) * nbytes // world_size
+
+
+class CommStats:
+    """Host counters plus device-side counters (non-finite buckets, saturated values) that are only
+    read when :meth:`as_dict` is called, so the step path never synchronises the device."""
+
+    HOST_KEYS = ("steps", "bytes_sent", "bytes_baseline", "compressed_buckets", "uncompressed_buckets")
+    DEVICE_KEYS = ("nonfinite_buckets", "saturated_values")
+
+    def __init__(self):
+        self.host: Dict[str, int] = {k: 0 for k in self.HOST_KEYS}
+        self._device: Dict[torch.device, torch.Tensor] = {}
+        self._restored = {k: 0 for k in self.DEVICE_KEYS}
+
+    def add(self, key: str, n: int) -> None:
+        """Add ``n`` to host counter ``key``."""
+        self.host[key] += int(n)
+
+    def add_device(self, key: str, value: torch.Tensor) -> None:
+        """Add a device scalar (bool or int) to device counter ``key`` without synchronising."""
+        dev = value.device
+        buf = self._device.get(dev)
+        if buf is None:
+            buf = self._device[dev] = torch.zeros(len(self.DEVICE_KEYS), dtype=torch.int64, device=dev)
+        buf[self.DEVICE_KEYS.index(key)] += value.to(torch.int64)
+
+    def as_dict(self) -> Dict[str, int]:
+        """All counters as plain ints (reads the device counters: a synchronisation)."""
+        out = dict(self.host)
+        for i, k in enumerate(self.DEVICE_KEYS):
+            out[k] = self._restored[k] + sum(int(b[i].item()) for b in self._device.values())
+        return out
+
+    def load(self, d: Dict[str, int]) -> None:
+        """Restore counters from :meth:`as_dict` output."""
+        for k in self.HOST_KEYS:
+            self.host[k] = int(d.get(k, 0))
+        self._device.clear()
+        self._restored = {k: int(d.get(k, 0)) for k in self.DEVICE_KEYS}
