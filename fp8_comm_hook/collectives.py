@@ -57,35 +57,16 @@ def two_shot(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, sta
     quantization error; the owner folds W times its requantization error into it.
     """
     L, W, C = layout, layout.world_size, layout.chunk_numel
-    x = L.gather_from(flat)
-    if residual is not None:
-        x.add_(residual)
-    scratch = dict(work=L.work, block_amax=L.block_amax, group_amax=L.group_amax,
-                   group_scale=L.group_scale, block_scale=L.block_scale)
-    codec.quantize(x, L.groups, L.payload(L.send, C), L.scales(L.send, C), generator=generator, **scratch)
-    if residual is not None:
-        codec.dequantize(L.payload(L.send, C), L.scales(L.send, C), L.groups, L.work, L.block_scale)
-        torch.sub(x, L.work, out=residual)
+    codec.encode(flat, L, residual, generator)
     dist.all_to_all_single(L.recv, L.send, group=group, async_op=True).wait()
-    shard = codec.dequantize_sum(L.payload(L.recv, C), L.scales(L.recv, C), L.own_groups_all_sources,
-                                 L.shard, L.work, L.block_scale)
-    shard.div_(W)
-    codec.quantize(shard, L.own_groups, L.payload(L.gather_in, C)[None], L.scales(L.gather_in, C)[None],
-                   generator=generator, **scratch)
-    if residual is not None:
-        own = residual[L.rank * C:(L.rank + 1) * C]
-        codec.dequantize(L.payload(L.gather_in, C)[None], L.scales(L.gather_in, C)[None], L.own_groups,
-                         L.work, L.block_scale)
-        own.add_(shard.sub_(L.work[:C]), alpha=W)
+    codec.reduce_shard(L, residual, generator)
     work = all_gather_into(L.gather_out.view(-1), L.gather_in, group=group, async_op=True)
     if stats is not None:
         stats.add("bytes_sent", 2 * (W - 1) * L.chunk_bytes)
 
     def finish() -> torch.Tensor:
-        scales = L.scales(L.gather_out, C)
-        codec.dequantize(L.payload(L.gather_out, C), scales, L.groups, L.work, L.block_scale)
-        _track_nonfinite(stats, scales)
-        return L.scatter_to(L.work, flat)
+        _track_nonfinite(stats, L.scales(L.gather_out, C))
+        return codec.decode(L, flat)
 
     return _finish(work, finish, async_op)
 

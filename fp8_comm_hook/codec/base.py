@@ -73,6 +73,50 @@ class Codec(abc.ABC):
                    out: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
         """``out = q * scale_inv`` per group, in fp32; returns ``out``."""
 
+    # ------------------------------------------------------------------ two_shot's three stages
+    # The wire algorithms call these; the defaults compose the primitives above through the
+    # layout's fp32 staging buffer. Fused backends override them (one launch each).
+    def encode(self, flat: torch.Tensor, layout, residual: Optional[torch.Tensor] = None,
+               generator: Optional[torch.Generator] = None) -> None:
+        """Quantize the bucket ``flat`` into the layout's packed ``send`` buffer (chunk d for rank
+        d). With ``residual`` (padded fp32): quantize ``flat + residual`` and store the new
+        quantization error in ``residual``."""
+        L, C = layout, layout.chunk_numel
+        x = L.gather_from(flat)
+        if residual is not None:
+            x.add_(residual)
+        self.quantize(x, L.groups, L.payload(L.send, C), L.scales(L.send, C), work=L.work,
+                      block_amax=L.block_amax, group_amax=L.group_amax, group_scale=L.group_scale,
+                      block_scale=L.block_scale, generator=generator)
+        if residual is not None:
+            self.dequantize(L.payload(L.send, C), L.scales(L.send, C), L.groups, L.work, L.block_scale)
+            torch.sub(x, L.work, out=residual)
+
+    def reduce_shard(self, layout, residual: Optional[torch.Tensor] = None,
+                     generator: Optional[torch.Generator] = None) -> None:
+        """two_shot's middle step on the owner: dequantize and sum the W received chunks (``recv``)
+        in fp32 in rank order, divide by W, requantize into ``gather_in``. With ``residual``: add W
+        times the requantization error to this rank's residual for its own chunk."""
+        L, W, C = layout, layout.world_size, layout.chunk_numel
+        shard = self.dequantize_sum(L.payload(L.recv, C), L.scales(L.recv, C), L.own_groups_all_sources,
+                                    L.shard, L.work, L.block_scale)
+        shard.div_(W)
+        self.quantize(shard, L.own_groups, L.payload(L.gather_in, C)[None], L.scales(L.gather_in, C)[None],
+                      work=L.work, block_amax=L.block_amax, group_amax=L.group_amax,
+                      group_scale=L.group_scale, block_scale=L.block_scale, generator=generator)
+        if residual is not None:
+            own = residual[L.rank * C:(L.rank + 1) * C]
+            self.dequantize(L.payload(L.gather_in, C)[None], L.scales(L.gather_in, C)[None], L.own_groups,
+                            L.work, L.block_scale)
+            own.add_(shard.sub_(L.work[:C]), alpha=W)
+
+    def decode(self, layout, flat: torch.Tensor) -> torch.Tensor:
+        """Dequantize the gathered shards (``gather_out``) into the bucket ``flat`` in its dtype;
+        returns ``flat``."""
+        L, C = layout, layout.chunk_numel
+        self.dequantize(L.payload(L.gather_out, C), L.scales(L.gather_out, C), L.groups, L.work, L.block_scale)
+        return L.scatter_to(L.work, flat)
+
     @abc.abstractmethod
     def dequantize_sum(self, payload: torch.Tensor, scale_inv: torch.Tensor, groups: ScaleGroups,
                        out: torch.Tensor, work: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
