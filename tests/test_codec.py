@@ -1,0 +1,185 @@
+"""The torch codec (the wire format's reference) against an fp64 model, on seeded data."""
+import math
+
+import pytest
+import torch
+
+from codec_ref import data, encode_decode, make_layout, reference_group_amax
+from fp8_comm_hook.codec import TorchCodec, compute_scales
+from fp8_comm_hook.formats import FLOAT32_MAX, get_format
+
+KINDS = ["gauss", "student_t", "outliers"]
+# One RNE quantization of Gaussian data with blocks of 128: E4M3 ~0.026 (design.md), E5M2 ~0.05.
+SINGLE_QUANT_BOUND = {"e4m3": 0.030, "e5m2": 0.060}
+
+
+def rel_err(y, x):
+    return ((y.double() - x.double()).norm() / x.double().norm()).item()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("scaling", ["block", "tensor", "bucket"])
+def test_scales_are_fmax_over_amax(fmt, kind, scaling):
+    numels = [100_003, 1, 517, 4096]
+    x = data(kind, sum(numels), seed=11)
+    L, _ = encode_decode(x, numels, fmt=fmt, scaling=scaling, world_size=3)
+    fmax = get_format(fmt).fmax
+    amax = reference_group_amax(L, x)
+    sinv = L.scales(L.send, L.chunk_numel).reshape(-1).double()
+    # scale_inv must equal amax / fmax (to fp32 rounding of two divisions): a 2x error fails here.
+    pos = amax > 0
+    torch.testing.assert_close(sinv[pos], amax[pos] / fmax, rtol=2e-7, atol=0)
+    assert torch.all(sinv[~pos] == 1.0)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_error_against_fp64(fmt, kind):
+    x = data(kind, 100_003, seed=5)
+    _, y = encode_decode(x, [x.numel()], fmt=fmt)
+    err = rel_err(y, x)
+    assert err < SINGLE_QUANT_BOUND[fmt]
+    if kind == "gauss":  # not suspiciously small either: FP8 must actually have rounded
+        assert err > SINGLE_QUANT_BOUND[fmt] * 0.7
+
+
+def test_bucket_scaling_loses_precision_on_outliers():
+    # a sanity check of the geometry: one scale per chunk is worse than one per block with outliers
+    x = data("outliers", 50_000, seed=3)
+    _, yb = encode_decode(x, [x.numel()], scaling="block")
+    _, yk = encode_decode(x, [x.numel()], scaling="bucket")
+    assert rel_err(yk, x) > 2 * rel_err(yb, x)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_exact_round_trip_of_representable_values(fmt):
+    f = get_format(fmt)
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    vals = codes.view(f.dtype).float()
+    vals = vals[torch.isfinite(vals)]
+    g = torch.Generator().manual_seed(0)
+    blocks = []
+    for k in range(-20, 21, 5):  # every block holds +-fmax so its scale is an exact power of two
+        b = vals[torch.randint(0, vals.numel(), (128,), generator=g)]
+        b[0] = f.fmax
+        blocks.append(b * 2.0 ** k)
+    x = torch.cat(blocks)
+    L, y = encode_decode(x, [x.numel()], fmt=fmt)
+    assert torch.equal(y, x)
+    sinv = L.scales(L.send, L.chunk_numel).reshape(-1)[:len(blocks)]
+    assert torch.equal(sinv, torch.tensor([2.0 ** k for k in range(-20, 21, 5)]))
+
+
+def test_zeros_get_scale_one():
+    x = torch.zeros(1000)
+    L, y = encode_decode(x, [1000])
+    assert torch.equal(y, x)
+    assert torch.all(L.scales(L.send, L.chunk_numel) == 1.0)
+    assert torch.all(L.payload(L.send, L.chunk_numel) == 0)
+
+
+def test_one_element_and_empty():
+    x = torch.tensor([-3.7])
+    L, y = encode_decode(x, [1])
+    assert L.padded_numel == 128
+    torch.testing.assert_close(y, x, rtol=0.07, atol=0)  # one E4M3 rounding
+    assert L.scales(L.send, L.chunk_numel)[0, 0].item() == pytest.approx(3.7 / 448, rel=1e-6)
+    L, y = encode_decode(torch.zeros(0), [0], world_size=2)
+    assert y.numel() == 0 and L.padded_numel == 256
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_nonfinite_makes_exactly_its_block_nan(fmt, bad):
+    x = data("gauss", 1000, seed=1)
+    x[300] = bad  # block 2 (elements 256..383)
+    L, y = encode_decode(x, [1000], fmt=fmt)
+    sinv = L.scales(L.send, L.chunk_numel).reshape(-1)
+    assert torch.isnan(sinv[2]) and torch.isfinite(sinv[:2]).all() and torch.isfinite(sinv[3:]).all()
+    assert torch.isnan(y[256:384]).all()
+    assert torch.isfinite(y[:256]).all() and torch.isfinite(y[384:]).all()
+
+
+def test_clamp_before_cast_never_makes_nan_from_finite():
+    # amax-derived scales put values exactly at fmax; rounding must not push them out of range
+    x = torch.tensor([1.0, -1.0, 0.99999994, 1e-30] * 32)
+    _, y = encode_decode(x, [x.numel()])
+    assert torch.isfinite(y).all()
+    assert y[0] == 1.0 and y[1] == -1.0
+
+
+def test_extreme_magnitudes():
+    for mag in (1e-38, 1e-30, 1e30, 3e38):
+        x = data("gauss", 512, seed=2) * mag / 4
+        x = x.clamp(-3.4e38, 3.4e38)
+        _, y = encode_decode(x, [512])
+        assert torch.isfinite(y).all()
+        assert rel_err(y, x) < 0.03, mag
+
+
+def test_compute_scales_rule():
+    amax = torch.tensor([448.0, 0.0, 1e-45, float("inf"), 2.0])
+    s, si = torch.empty(5), torch.empty(5)
+    compute_scales(amax, 448.0, 1.0, s, si)
+    assert s[0] == 1.0 and si[0] == 1.0
+    assert s[1] == 1.0 and si[1] == 1.0
+    assert s[2] == FLOAT32_MAX  # a denormal amax clamps the scale instead of overflowing
+    assert math.isnan(si[3])
+    assert s[4] == 224.0 and si[4] == 1 / 224.0
+    compute_scales(amax, 448.0, 0.5, s, si)
+    assert s[4] == 112.0 and s[1] == 1.0
+
+
+def test_blocks_never_straddle_parameters():
+    # the same gradient quantizes identically whatever comes before it in the bucket
+    g = data("student_t", 1000, seed=9)
+    for prefix in (0, 1, 129, 300):
+        other = data("gauss", prefix, seed=1) * 100 if prefix else torch.zeros(0)
+        x = torch.cat([other, g])
+        numels = [prefix, 1000] if prefix else [1000]
+        _, y = encode_decode(x, numels, scaling="block")
+        ref = encode_decode(g, [1000])[1]
+        assert torch.equal(y[prefix:], ref)
+
+
+@pytest.mark.parametrize("scaling", ["block", "tensor", "bucket"])
+def test_dequantize_sum_adds_in_rank_order(scaling):
+    W, numels = 3, [700, 1300]
+    n = sum(numels)
+    codec = TorchCodec(get_format("e4m3"))
+    xs = [data("gauss", n, seed=s) for s in range(W)]
+    layouts = [make_layout(numels, W, 1, scaling=scaling) for _ in range(W)]
+    for L, x in zip(layouts, xs):
+        codec.encode(x, L)
+    L = layouts[0]
+    C = L.chunk_numel
+    recv = torch.stack([Lw.send[1] for Lw in layouts])  # chunk 1 from every rank
+    out = torch.empty(C)
+    codec.dequantize_sum(L.payload(recv, C), L.scales(recv, C), L.own_groups_all_sources, out, L.work, L.block_scale)
+    expect = torch.zeros(C)
+    for Lw in layouts:
+        deq = torch.empty(Lw.padded_numel)
+        codec.dequantize(Lw.payload(Lw.send, C), Lw.scales(Lw.send, C), Lw.groups, deq, Lw.block_scale)
+        expect += deq[C:2 * C]
+    assert torch.equal(out, expect)
+
+
+def test_stochastic_rounding_is_unbiased_and_on_grid():
+    f = get_format("e4m3")
+    codec = TorchCodec(f, stochastic_rounding=True)
+    x = data("gauss", 128, seed=4)
+    x[0] = x.abs().max() * 1.0001
+    L = make_layout([128])
+    acc = torch.zeros(128, dtype=torch.float64)
+    reps = 400
+    g = torch.Generator().manual_seed(0)
+    for _ in range(reps):
+        codec.encode(x, L, generator=g)
+        out = torch.empty(L.padded_numel)
+        codec.dequantize(L.payload(L.send, 128), L.scales(L.send, 128), L.groups, out, L.block_scale)
+        acc += out.double()
+    rne = encode_decode(x, [128])[1]
+    err_sr = (acc / reps - x.double()).norm().item()
+    err_rne = (rne.double() - x.double()).norm().item()
+    assert err_sr < err_rne / 3
