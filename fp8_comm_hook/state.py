@@ -44,6 +44,7 @@ class FP8CommState:
         self._codecs: Dict[torch.device, object] = {}
         self._generators: Dict[torch.device, torch.Generator] = {}
         self._bucket_in_step = 0
+        self.layouts_built = 0                      # how many bucket layouts were derived (rebuilds add)
 
     # ------------------------------------------------------------------ binding and identity
     def bind(self, model: torch.nn.Module) -> "FP8CommState":
@@ -119,6 +120,7 @@ class FP8CommState:
         for k in keys:
             self._owner[k] = lkey
         self._layouts[lkey] = layout
+        self.layouts_built += 1
         if self.config.error_feedback:
             self._restore_residuals(layout)
         return layout

@@ -8,6 +8,7 @@ step; a check that fails on one rank is reported, and the next check still runs.
 import os
 import pickle
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -36,6 +37,12 @@ def _worker(rank, world_size, store_path, checks, out_dir):
             results[name + ":barrier"] = (False, traceback.format_exc())
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(results, f)
+    # Leave together, synchronised through the store rather than gloo: a rank that closes its gloo
+    # sockets while a peer is still finishing the last barrier makes that peer abort.
+    store.add("done", 1)
+    deadline = time.monotonic() + PG_TIMEOUT_S
+    while int(store.add("done", 0)) < world_size and time.monotonic() < deadline:
+        time.sleep(0.05)
     dist.destroy_process_group()
 
 
