@@ -81,15 +81,43 @@ def check_nccl_fp8_supported(group, device: torch.device) -> None:
                          f"torch.float8_*); this group uses {backend!r} on {device}. Use algorithm='two_shot'.")
 
 
+SATURATION_LIMIT = 1e-5   # saturated fraction above which the automatic pre_scale halves
+PRE_SCALE_GROWTH = 1.05   # growth per step otherwise, up to 1 / sqrt(W) ... 1
+
+
+def next_pre_scale(current: float, saturated: int, numel: int, world_size: int) -> float:
+    """The automatic pre_scale rule: halve when more than 1e-5 of the summed values saturated,
+    else grow by 5% per step, never above 1 nor below 1/W^2. Every rank sees the same sum, so every
+    rank makes the same choice; scale_inv carries the pre_scale, so the mean stays exact."""
+    if numel and saturated / numel > SATURATION_LIMIT:
+        return max(current / 2, 1.0 / world_size ** 2)
+    return min(current * PRE_SCALE_GROWTH, 1.0)
+
+
+def adapt_pre_scale(layout: BucketLayout, world_size: int) -> float:
+    """This step's automatic pre_scale for ``layout``: 1/sqrt(W) at first, then
+    :func:`next_pre_scale` of the previous step's saturation count (read one step late, when the
+    previous sum has long finished)."""
+    ps = getattr(layout, "auto_pre_scale", None)
+    if ps is None:
+        return 1.0 / math.sqrt(world_size)
+    sat = getattr(layout, "saturated_last", None)
+    return next_pre_scale(ps, int(sat.item()) if sat is not None else 0, layout.padded_numel, world_size)
+
+
 def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre_scale: Optional[float] = None,
              stats: Optional[CommStats] = None, residual: Optional[torch.Tensor] = None,
              generator: Optional[torch.Generator] = None, async_op: bool = False):
     """Mean of ``flat`` through NCCL's FP8 SUM all-reduce (MS-AMP style): per-group amax, one MAX
-    all-reduce of the amax vector, shared scales times ``pre_scale`` (default 1/sqrt(W)), FP8 sum,
-    dequantize with scale_inv / W. Values at +-fmax after the sum are counted as saturated."""
+    all-reduce of the amax vector, shared scales times ``pre_scale``, FP8 sum, dequantize with
+    scale_inv / W. Values at +-fmax after the sum are counted as saturated. ``pre_scale=None`` starts
+    at 1/sqrt(W) and adapts per bucket (:func:`next_pre_scale`)."""
     L, W, C = layout, layout.world_size, layout.chunk_numel
     fmt = codec.fmt
-    ps = 1.0 / math.sqrt(W) if pre_scale is None else float(pre_scale)
+    if pre_scale is None:
+        ps = L.auto_pre_scale = adapt_pre_scale(L, W)
+    else:
+        ps = float(pre_scale)
     x = L.gather_from(flat)
     if residual is not None:
         x.add_(residual)
@@ -109,8 +137,10 @@ def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre
         stats.add("bytes_sent", ring_allreduce_bytes(4 * L.groups.num_groups + L.padded_numel, W))
 
     def finish() -> torch.Tensor:
+        sat = (L.fp8_wire.view(fmt.dtype).float().abs() >= fmt.fmax).sum()
+        L.saturated_last = sat
         if stats is not None:
-            stats.add_device("saturated_values", (L.fp8_wire.view(fmt.dtype).float().abs() >= fmt.fmax).sum())
+            stats.add_device("saturated_values", sat)
         codec.dequantize(L.fp8_wire, sinv, L.groups, L.work, L.block_scale)
         L.work.div_(W)
         _track_nonfinite(stats, sinv)

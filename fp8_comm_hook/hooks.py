@@ -122,7 +122,12 @@ _ALL_REDUCE_STATES = {}
 def all_reduce(tensor: torch.Tensor, config: Optional[FP8CommConfig] = None, group=None) -> torch.Tensor:
     """Average ``tensor`` over ``group`` in place through the same FP8 machinery as the hook (the
     config's ``algorithm``, ``scaling`` and ``min_compress_numel`` apply; ``warmup_steps`` does not) and
-    return it. Layouts are cached per (config, group, shape, dtype, device)."""
+    return it. Layouts are cached per (config, group, shape, dtype, device); with
+    ``error_feedback=True`` the residual of a tensor of that shape carries over to the next call.
+
+    Example::
+
+        grad_norms = fp8_comm_hook.all_reduce(local_stats, FP8CommConfig(min_compress_numel=0))"""
     config = config if config is not None else FP8CommConfig()
     if not isinstance(config, FP8CommConfig):
         raise TypeError(f"config must be an FP8CommConfig or None, got {type(config).__name__}")
@@ -145,7 +150,10 @@ def all_reduce(tensor: torch.Tensor, config: Optional[FP8CommConfig] = None, gro
                 flat.numel(), flat.dtype, flat.device)
         return layout
 
-    reduce_flat(state, flat, layout_fn, async_op=False)
+    try:
+        reduce_flat(state, flat, layout_fn, async_op=False)
+    finally:
+        state.end_bucket(True)  # each call is a step: fresh stochastic-rounding draws, residual carried
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor
