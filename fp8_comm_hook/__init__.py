@@ -4,12 +4,14 @@ One hook on a native ``DistributedDataParallel`` model (:func:`register_ddp_hook
 over the wire in FP8 (E4M3 or E5M2 with fp32 scales): half the bytes of a bf16 all-reduce, a quarter
 of fp32, with the averaged result bit-identical on every rank.
 """
+from .cli import add_cli_args, config_from_args, register_grad_comm
 from .config import FP8CommConfig
 from .formats import FP8Format, get_format
+from .fsdp import register_fsdp_hook
 from .hooks import all_reduce, fp8_hook, register_ddp_hook
 from .state import FP8CommState
 
 __version__ = "0.1.0"
 
-__all__ = ["FP8CommConfig", "FP8CommState", "FP8Format", "all_reduce", "fp8_hook", "get_format",
-           "register_ddp_hook", "__version__"]
+__all__ = ["FP8CommConfig", "FP8CommState", "FP8Format", "add_cli_args", "all_reduce", "config_from_args", "fp8_hook",
+           "get_format", "register_ddp_hook", "register_fsdp_hook", "register_grad_comm", "__version__"]

@@ -110,6 +110,15 @@ class FP8CommConfig:
             set_vars = [v for v in environ if v.startswith(ENV_PREFIX)]
             raise ValueError(f"{e} (from environment variables {set_vars})") from None
 
+    @classmethod
+    def from_args(cls, args, environ: Optional[Mapping[str, str]] = None) -> "FP8CommConfig":
+        """Build from argparse ``args`` parsed with :func:`fp8_comm_hook.cli.add_cli_args`: each field
+        from its ``--fp8-*`` flag, else ``FP8_COMM_<FIELD>`` in ``environ``, else the default (see
+        :func:`fp8_comm_hook.cli.config_from_args`)."""
+        from .cli import config_from_args  # lazy: cli imports this module
+
+        return config_from_args(args, environ)
+
     def replace(self, **changes) -> "FP8CommConfig":
         """Return a copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
