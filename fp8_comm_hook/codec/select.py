@@ -70,6 +70,10 @@ def resolve_backend(config, device: torch.device) -> str:
         if config.stochastic_rounding:
             raise ValueError("stochastic_rounding=True is not available with backend='te' (TE has no FP8 "
                              "stochastic rounding); use backend='torch' or 'triton'")
+        if config.scaling == "block":
+            raise ValueError("backend='te' supports scaling='tensor' and 'bucket' only (no Transformer Engine "
+                             "quantizer is verified to write the per-block wire format); use backend='triton' "
+                             "or 'auto' for scaling='block'")
     return b
 
 

@@ -1,0 +1,680 @@
+"""Fused Triton kernels for the FP8 codec (GPU; the Triton interpreter runs them on CPU for tests).
+
+Bytes match the torch reference codec exactly for round-to-nearest-even on finite inputs: every fp32
+operation of the reference is done in the same order with IEEE rounding (precise division via
+``tl.math.div_rn``, no FMA contraction: kernels launch with ``enable_fp_fusion=False``), values are
+clamped to +-fmax before the cast, and the cast itself is RNE. For non-finite groups only
+``scale_inv = NaN`` is normative (Triton's cast saturates where torch's gives NaN).
+
+Launches per bucket for ``two_shot``:
+
+* block scaling: encode 1, reduce_shard 1, decode 1;
+* tensor / bucket scaling: encode 2 (block amax folded into the group amax with one atomic max per
+  group run of a tile, then quantize), reduce_shard 2, decode 1.
+
+The group amax of tensor/bucket scaling lives in an int64 buffer holding ``epoch << 32 | amax_bits``
+(amax >= 0, so its fp32 bits order like the values). Every call uses a new epoch, so entries left by
+earlier calls lose every max and the buffer never needs zeroing; an entry whose epoch is not the
+current one belongs to a group with no blocks (amax 0, as in the reference).
+
+Per layout, a segment table (source offset and valid length of every block of the padded buffer)
+is derived once from ``layout.src_offsets``, ``layout.dst_offsets`` and ``layout.numels`` and kept
+on the layout, so encode reads the unpadded bucket and decode writes it back directly.
+"""
+import functools
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import FLOAT32_MAX
+from ..layout import ScaleGroups
+from .base import Codec
+
+__all__ = ["TritonCodec"]
+
+_QUANT_TILE = 4096       # elements per program of the quantize / dequantize kernels
+_AMAX_TILE = 8192        # elements per program of the amax kernel
+_AMAX_MAX_BLOCKS = 64    # the amax kernel compares every pair of blocks of its tile
+_GROUPS_PER_PROGRAM = 1024
+_EPOCH_LIMIT = 2 ** 31 - 1
+_INT32_SAFE = 2 ** 31 - 2 ** 20
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_FLT_MAX = tl.constexpr(FLOAT32_MAX)  # scales are clamped to it (a denormal amax gives a finite scale)
+
+# Source of the values a kernel quantizes.
+_SRC_DENSE, _SRC_SEGMENTS, _SRC_RECV = 0, 1, 2
+# Where the amax of a block's scale comes from.
+_AMAX_TILE_BLOCK, _AMAX_EPOCH_GROUP, _AMAX_F32_GROUP, _AMAX_F32_BLOCK = 0, 1, 2, 3
+# What happens to the residual (error feedback).
+_RES_NONE, _RES_ENCODE, _RES_FOLD = 0, 1, 2
+# How the fp32 sum of received chunks becomes a mean.
+_DIV_NONE, _DIV_RECIPROCAL, _DIV_TRUE = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _scales(amax, FMAX: tl.constexpr, pre_scale):
+    """The wire rule: (scale, scale_inv) of an fp32 amax vector (NaN counts as non-finite)."""
+    finite = amax < float("inf")
+    positive = finite & (amax > 0.0)
+    s = tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), amax)
+    s = tl.minimum(s, _FLT_MAX)
+    s = s * pre_scale
+    s = tl.where(positive, s, 1.0)
+    sinv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s)
+    sinv = tl.where(finite, sinv, float("nan"))
+    return s, sinv
+
+
+@triton.jit
+def _block_amax(x):
+    """Row-wise max |x| of a [blocks, BS] tile, NaN reported as +Inf."""
+    ax = tl.abs(x)
+    ax = tl.where(ax == ax, ax, float("inf"))
+    return tl.max(ax, axis=1)
+
+
+@triton.jit
+def _stochastic_round(y, seed, offs, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.constexpr):
+    """Round y (within +-FMAX) to a neighbouring FP8 grid point, up with probability equal to its
+    distance from the lower one over the spacing (unbiased); the grid math of the torch codec."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127                      # floor(log2|y|) for normal fp32
+    e = tl.maximum(e, MIN_EXP)                           # fixed spacing in the subnormal range
+    ulp = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((MBITS - e + 127) << 23).to(tl.float32, bitcast=True)
+    lo = tl.floor(y * inv) * ulp
+    frac = (y - lo) * inv
+    u = tl.rand(seed, offs.to(tl.int32))
+    r = tl.where(u < frac, lo + ulp, lo)
+    return tl.minimum(tl.maximum(r, -FMAX), FMAX)
+
+
+@triton.jit
+def _soft_fp8_bits(y, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr):
+    """FP8 bits of y (finite, within +-fmax) by round-to-nearest-even in integer/exact fp32 math.
+    Used under the Triton interpreter, whose own cast drops the carry into the exponent."""
+    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, MIN_EXP)
+    ulp = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((MBITS - e + 127) << 23).to(tl.float32, bitcast=True)
+    k = (a * inv + 8388608.0) - 8388608.0              # RNE to an integer (a * inv < 2^(MBITS+1), exact)
+    r = k * ulp                                        # the rounded magnitude, exactly representable
+    rb = r.to(tl.int32, bitcast=True)
+    re = ((rb >> 23) & 0xFF) - 127
+    normal = (re + BIAS) << MBITS | ((rb >> (23 - MBITS)) & ((1 << MBITS) - 1))
+    sub = (r * inv).to(tl.int32)                       # below 2^MIN_EXP, e == MIN_EXP: r / ulp
+    out = tl.where(re >= MIN_EXP, normal, sub) | (sign << 7)
+    out = tl.where(y == y, out, 0x7F)
+    return out.to(tl.uint8)
+
+
+@triton.jit
+def _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride,
+                 sgrp_ptr, nsrc, bpc, G, inv_w, w_f,
+                 FP8: tl.constexpr, BS: tl.constexpr, SOURCE: tl.constexpr, SRC_GROUPED: tl.constexpr,
+                 DIV_MODE: tl.constexpr):
+    """The fp32 [blocks, BS] tile of blocks ``b``: from a dense padded buffer, from the unpadded
+    bucket through the segment table, or as the rank-ordered sum of ``nsrc`` received chunks."""
+    if SOURCE == 0:
+        x = tl.load(x_ptr + b[:, None] * BS + cols[None, :], mask=bmask[:, None], other=0.0)
+    elif SOURCE == 1:
+        src = tl.load(src_ptr + b, mask=bmask, other=0)
+        nv = tl.load(valid_ptr + b, mask=bmask, other=0)
+        m = cols[None, :] < nv[:, None]
+        x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    else:
+        poffs = b[:, None] * BS + cols[None, :]
+        if SRC_GROUPED:
+            gidx = tl.load(sgrp_ptr + b, mask=bmask, other=0)
+        else:
+            gidx = b
+        q = tl.load(rp_ptr + poffs, mask=bmask[:, None], other=0)
+        si = tl.load(rs_ptr + gidx, mask=bmask, other=0.0)
+        x = q.to(FP8, bitcast=True).to(tl.float32) * si[:, None]
+        s = 1
+        while s < nsrc:  # rank order, as the reference; a while loop also runs under older interpreters
+            if SRC_GROUPED:
+                gidx = tl.load(sgrp_ptr + s * bpc + b, mask=bmask, other=0) - s * G
+            q = tl.load(rp_ptr + s * rp_stride + poffs, mask=bmask[:, None], other=0)
+            si = tl.load(rs_ptr + s * rs_stride + gidx, mask=bmask, other=0.0)
+            x = x + q.to(FP8, bitcast=True).to(tl.float32) * si[:, None]
+            s += 1
+        if DIV_MODE == 1:
+            x = x * inv_w
+        elif DIV_MODE == 2:
+            x = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * w_f)
+    return x
+
+
+@triton.jit(do_not_specialize=["nsrc", "epoch", "nblocks", "bpc", "G"])
+def _amax_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, sgrp_ptr, nsrc, inv_w, w_f,
+                 res_ptr, xout_ptr, bamax_ptr, grp_ptr, gam_ptr, epoch, nblocks, bpc, G,
+                 FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, SOURCE: tl.constexpr,
+                 SRC_GROUPED: tl.constexpr, DIV_MODE: tl.constexpr, HAS_RES: tl.constexpr,
+                 STORE_X: tl.constexpr, STORE_BAMAX: tl.constexpr, ATOMIC: tl.constexpr, IDX64: tl.constexpr):
+    """Load (and optionally store) a tile of blocks, compute block amaxes, and fold them into the
+    epoch-tagged group amax with one atomic max per run of equal groups in the tile."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, NB)
+    cols = tl.arange(0, BS)
+    b = pid * NB + rows
+    if IDX64:
+        b = b.to(tl.int64)
+    bmask = b < nblocks
+    x = _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, sgrp_ptr,
+                     nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, SRC_GROUPED, DIV_MODE)
+    eoffs = b[:, None] * BS + cols[None, :]
+    if HAS_RES:
+        x = x + tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+    if STORE_X:
+        tl.store(xout_ptr + eoffs, x, mask=bmask[:, None])
+    if STORE_BAMAX or ATOMIC:
+        a = _block_amax(x)
+        a = tl.where(bmask, a, 0.0)
+        if STORE_BAMAX:
+            tl.store(bamax_ptr + b, a, mask=bmask)
+        if ATOMIC:
+            g = tl.load(grp_ptr + b, mask=bmask, other=-1)
+            same = (g[:, None] == g[None, :]) & bmask[None, :]
+            gmax = tl.max(tl.where(same, a[None, :], 0.0), axis=1)
+            gprev = tl.load(grp_ptr + b - 1, mask=bmask & (rows > 0), other=-1)
+            first = bmask & ((rows == 0) | (g != gprev))
+            tagged = (epoch.to(tl.int64) << 32) | gmax.to(tl.int32, bitcast=True).to(tl.int64)
+            tl.atomic_max(gam_ptr + g, tagged, mask=first, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["epoch", "ngroups"])
+def _amax_finish_kernel(gam_ptr, out_ptr, epoch, ngroups, GB: tl.constexpr):
+    """fp32 group amax from the epoch-tagged buffer (0 for groups without blocks)."""
+    gi = tl.program_id(0) * GB + tl.arange(0, GB)
+    gm = gi < ngroups
+    v = tl.load(gam_ptr + gi, mask=gm, other=0)
+    a = v.to(tl.int32).to(tl.float32, bitcast=True)
+    a = tl.where((v >> 32) == epoch, a, 0.0)
+    tl.store(out_ptr + gi, a, mask=gm)
+
+
+@triton.jit(do_not_specialize=["nsrc", "epoch", "seed", "nblocks", "bpc", "G", "ngroups"])
+def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, nsrc, inv_w, w_f,
+                  grp_ptr, amax_ptr, epoch, res_ptr, res_scale,
+                  pay_ptr, pay_stride, sc_ptr, sc_stride,
+                  nblocks, bpc, G, ngroups, pre_scale, seed,
+                  FP8: tl.constexpr, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                  BIAS: tl.constexpr, SOFT_FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr,
+                  SOURCE: tl.constexpr,
+                  AMAX_MODE: tl.constexpr, RES_MODE: tl.constexpr, SR: tl.constexpr, DIV_MODE: tl.constexpr,
+                  IDX64: tl.constexpr):
+    """Quantize a tile of blocks into packed rows (payload bytes + fp32 scale_inv per group).
+
+    AMAX_MODE 0: each block's own amax (block scaling, one pass); 1: the group's amax from the
+    epoch-tagged buffer; 2: the group's fp32 amax; 3: an fp32 amax per block. In modes 1 and 2 the
+    program also writes scale_inv for groups [pid * GB, pid * GB + GB).
+    RES_MODE 1 (encode): x += res, res = x - dequant(q). RES_MODE 2 (fold): res += res_scale * (x - dequant(q)).
+    """
+    pid = tl.program_id(0)
+    rows = tl.arange(0, NB)
+    cols = tl.arange(0, BS)
+    b = pid * NB + rows
+    if IDX64:
+        b = b.to(tl.int64)
+    bmask = b < nblocks
+    x = _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, grp_ptr,
+                     nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, False, DIV_MODE)
+    eoffs = b[:, None] * BS + cols[None, :]
+    if RES_MODE == 1:
+        x = x + tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+    if AMAX_MODE == 0:
+        amax = _block_amax(x)
+    elif AMAX_MODE == 1:
+        g = tl.load(grp_ptr + b, mask=bmask, other=0)
+        v = tl.load(amax_ptr + g, mask=bmask, other=0)
+        amax = v.to(tl.int32).to(tl.float32, bitcast=True)
+    elif AMAX_MODE == 2:
+        g = tl.load(grp_ptr + b, mask=bmask, other=0)
+        amax = tl.load(amax_ptr + g, mask=bmask, other=0.0)
+    else:
+        amax = tl.load(amax_ptr + b, mask=bmask, other=0.0)
+    scale, sinv = _scales(amax, FMAX, pre_scale)
+    y = x * scale[:, None]
+    y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+    if SR:
+        y = _stochastic_round(y, seed, eoffs, MBITS, MIN_EXP, FMAX)
+    if SOFT_FP8:
+        qb = _soft_fp8_bits(y, MBITS, MIN_EXP, BIAS)
+        qf = qb.to(FP8, bitcast=True).to(tl.float32)
+    else:
+        q = y.to(FP8)
+        qb = q.to(tl.uint8, bitcast=True)
+        qf = q.to(tl.float32)
+    row = b // bpc
+    lb = b - row * bpc
+    tl.store(pay_ptr + row[:, None] * pay_stride + lb[:, None] * BS + cols[None, :], qb, mask=bmask[:, None])
+    if AMAX_MODE == 0 or AMAX_MODE == 3:
+        tl.store(sc_ptr + row * sc_stride + lb, sinv, mask=bmask)
+    if RES_MODE != 0:
+        dq = qf * sinv[:, None]
+        if RES_MODE == 1:
+            tl.store(res_ptr + eoffs, x - dq, mask=bmask[:, None])
+        else:
+            r = tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+            tl.store(res_ptr + eoffs, r + (x - dq) * res_scale, mask=bmask[:, None])
+    if AMAX_MODE == 1 or AMAX_MODE == 2:
+        if pid * GB < ngroups:
+            gi = pid * GB + tl.arange(0, GB)
+            gm = gi < ngroups
+            if AMAX_MODE == 1:
+                gv = tl.load(amax_ptr + gi, mask=gm, other=0)
+                ga = gv.to(tl.int32).to(tl.float32, bitcast=True)   # low 32 bits: the amax
+                ga = tl.where((gv >> 32) == epoch, ga, 0.0)
+            else:
+                ga = tl.load(amax_ptr + gi, mask=gm, other=0.0)
+            _, gsinv = _scales(ga, FMAX, pre_scale)
+            grow = gi // G
+            tl.store(sc_ptr + grow * sc_stride + (gi - grow * G), gsinv, mask=gm)
+
+
+@triton.jit(do_not_specialize=["G", "nblocks", "bpc"])
+def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr, src_ptr, valid_ptr,
+                    nblocks, bpc,
+                    FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, GROUPED: tl.constexpr,
+                    SEGMENTED: tl.constexpr, IDX64: tl.constexpr):
+    """``q * scale_inv`` per block of packed rows, into a dense fp32 buffer or (SEGMENTED) straight
+    into the unpadded bucket in its dtype, skipping padding."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BS)
+    b = pid * NB + tl.arange(0, NB)
+    if IDX64:
+        b = b.to(tl.int64)
+    bmask = b < nblocks
+    row = b // bpc
+    lb = b - row * bpc
+    if GROUPED:
+        gl = tl.load(grp_ptr + b, mask=bmask, other=0) - row * G
+    else:
+        gl = lb
+    q = tl.load(pay_ptr + row[:, None] * pay_stride + lb[:, None] * BS + cols[None, :], mask=bmask[:, None], other=0)
+    si = tl.load(sc_ptr + row * sc_stride + gl, mask=bmask, other=0.0)
+    v = q.to(FP8, bitcast=True).to(tl.float32) * si[:, None]
+    if SEGMENTED:
+        src = tl.load(src_ptr + b, mask=bmask, other=0)
+        nv = tl.load(valid_ptr + b, mask=bmask, other=0)
+        tl.store(out_ptr + src[:, None] + cols[None, :], v.to(out_ptr.dtype.element_ty),
+                 mask=cols[None, :] < nv[:, None])
+    else:
+        tl.store(out_ptr + b[:, None] * BS + cols[None, :], v, mask=bmask[:, None])
+
+
+# ---------------------------------------------------------------------------------------- host side
+def _blocks_per_program(block_size: int, tile: int, cap: Optional[int] = None) -> int:
+    """Blocks per program for a tile of ``tile`` elements (a power of two)."""
+    nb = max(1, tile // block_size)
+    return min(nb, cap) if cap else nb
+
+
+def _warps(nb: int, block_size: int) -> int:
+    """Warps per program for a tile of ``nb`` blocks."""
+    return 8 if nb * block_size >= 4096 else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_div_mode(device_type: str) -> int:
+    """How torch computes ``t.div_(W)`` (the reference's mean) on this device type: CUDA multiplies
+    by the fp32 reciprocal of a CPU scalar divisor, the CPU divides. Probed once, so the fused mean
+    rounds exactly like the reference on either."""
+    dev = torch.device(device_type)
+    gen = torch.Generator().manual_seed(1234)
+    x = (torch.rand(4096, generator=gen) * 100 + 1).to(dev)
+    ref = x.clone().div_(3)
+    recip = x * torch.tensor(1.0 / 3.0, dtype=torch.float32, device=dev)
+    true = x / torch.tensor(3.0, dtype=torch.float32, device=dev)
+    if torch.equal(ref, recip) and not torch.equal(ref, true):
+        return _DIV_RECIPROCAL
+    return _DIV_TRUE
+
+
+def _mix(*vals: int) -> int:
+    """A 31-bit seed mixing integers (splitmix64 steps)."""
+    h = 0x9E3779B97F4A7C15
+    for v in vals:
+        h = (h ^ (int(v) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFF
+
+
+def _seed_from(generator: Optional[torch.Generator], stage: int) -> int:
+    """A kernel seed from ``generator`` without touching the device: the generator's seed (and, for
+    a CUDA generator, its Philox offset, which is then advanced so that a second call without
+    reseeding draws new numbers). ``None`` draws from torch's default CPU generator."""
+    if generator is None:
+        return _mix(int(torch.randint(0, 2 ** 62, (1,)).item()), stage)
+    if generator.device.type == "cpu":
+        return _mix(int(torch.randint(0, 2 ** 62, (1,), generator=generator).item()), stage)
+    base, off = generator.initial_seed(), 0
+    try:
+        off = generator.get_offset()
+        generator.set_offset(off + 4)
+    except Exception:  # generators without a Philox offset: the seed alone
+        off = 0
+    return _mix(base, off, stage)
+
+
+class _Plan:
+    """What the fused stages derive once per layout: segment table, group tables, amax buffers."""
+
+    def __init__(self, layout):
+        L = layout
+        W, bs, C, bpc = L.world_size, L.block_size, L.chunk_numel, L.blocks_per_chunk
+        nblocks = W * bpc
+        big = max(L.padded_numel, L.src_numel, W * L.chunk_bytes) >= _INT32_SAFE
+        idx_dtype = torch.int64 if big else torch.int32
+        src = torch.zeros(nblocks, dtype=torch.int64)
+        valid = torch.zeros(nblocks, dtype=torch.int32)
+        for s, d, n in zip(L.src_offsets, L.dst_offsets, L.numels):
+            if n == 0:
+                continue
+            first, nblk = d // bs, (n + bs - 1) // bs
+            k = torch.arange(nblk, dtype=torch.int64) * bs
+            src[first:first + nblk] = s + k
+            valid[first:first + nblk] = (n - k).clamp_(max=bs).to(torch.int32)
+        dev = L.device
+        self.idx64 = big
+        self.src = src.to(idx_dtype).to(dev)
+        self.valid = valid.to(dev)
+        self.nblocks = nblocks
+        self.grp = self.own_grp = self.own_grp_all = None
+        if L.groups.block_group is not None:
+            self.grp = L.groups.block_group.to(device=dev, dtype=torch.int32).contiguous()
+            self.own_grp = L.own_groups.block_group.to(device=dev, dtype=torch.int32).contiguous()
+            self.own_grp_all = L.own_groups_all_sources.block_group.to(device=dev, dtype=torch.int32).contiguous()
+            self.gam_enc = torch.zeros(L.groups.num_groups, dtype=torch.int64, device=dev)
+            self.gam_red = torch.zeros(L.own_groups.num_groups, dtype=torch.int64, device=dev)
+        self._epochs = {"enc": 0, "red": 0}
+        # Views of the packed buffers (payload bytes and fp32 scales), with row strides.
+        f32 = lambda t: t.view(torch.float32)  # noqa: E731
+        self.send_f32 = f32(L.send)
+        self.recv_f32 = f32(L.recv)
+        self.gather_in_f32 = f32(L.gather_in)
+        self.gather_out_f32 = f32(L.gather_out)
+        self.row_words = L.chunk_bytes // 4
+        self.scale_word0 = C // 4
+
+    def next_epoch(self, key: str) -> int:
+        """The epoch for the next use of amax buffer ``key`` (rezeroing it once every 2^31 calls)."""
+        e = self._epochs[key] + 1
+        if e >= _EPOCH_LIMIT:
+            (self.gam_enc if key == "enc" else self.gam_red).zero_()
+            e = 1
+        self._epochs[key] = e
+        return e
+
+
+class TritonCodec(Codec):
+    """FP8 codec with fused Triton kernels (one launch per two_shot stage for block scaling, at most
+    two for tensor/bucket scaling), writing the same bytes as :class:`TorchCodec` for RNE.
+
+    ``stochastic_rounding=True`` rounds unbiasedly with Triton's Philox generator, seeded from the
+    ``generator`` argument on the host (no device sync); deterministic for a given seed, but not the
+    torch codec's random stream.
+    """
+
+    name = "triton"
+
+    def __init__(self, fmt, stochastic_rounding: bool = False):
+        super().__init__(fmt)
+        self.stochastic_rounding = bool(stochastic_rounding)
+        self._fp8 = tl.float8e4nv if fmt.name == "e4m3" else tl.float8e5
+        self._min_exp = -6 if fmt.name == "e4m3" else -14
+        self._bias = 7 if fmt.name == "e4m3" else 15
+        # The hardware cast on GPUs; the exact software cast under the interpreter.
+        self._soft_fp8 = _INTERPRET
+        self._scratch = {}  # (device, num_groups) -> [int64 epoch buffer, epoch] for the primitives
+
+    # ------------------------------------------------------------------ plumbing
+    def _consts(self):
+        return dict(FP8=self._fp8, FMAX=float(self.fmt.fmax), MBITS=self.fmt.mantissa_bits, MIN_EXP=self._min_exp,
+                    BIAS=self._bias, SOFT_FP8=self._soft_fp8)
+
+    @staticmethod
+    def _plan(layout) -> _Plan:
+        plan = getattr(layout, "_triton_plan", None)
+        if plan is None:
+            plan = _Plan(layout)
+            layout._triton_plan = plan
+        return plan
+
+    def _seed(self, generator, stage: int) -> int:
+        return _seed_from(generator, stage) if self.stochastic_rounding else 0
+
+    @staticmethod
+    def _launch(kernel, grid, device, *args, **kwargs):
+        kwargs.setdefault("enable_fp_fusion", False)
+        if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+            with torch.cuda.device(device.index):
+                kernel[grid](*args, **kwargs)
+        else:
+            kernel[grid](*args, **kwargs)
+
+    def _primitive_scratch(self, device, ngroups: int):
+        key = (device, ngroups)
+        entry = self._scratch.get(key)
+        if entry is None:
+            if len(self._scratch) > 64:
+                self._scratch.clear()
+            entry = self._scratch[key] = [torch.zeros(ngroups, dtype=torch.int64, device=device), 0]
+        entry[1] += 1
+        if entry[1] >= _EPOCH_LIMIT:
+            entry[0].zero_()
+            entry[1] = 1
+        return entry[0], entry[1]
+
+    @staticmethod
+    def _rows_view(t: torch.Tensor, width: int):
+        """(tensor, row stride in elements) of a [rows, width] (or flat) view with unit inner stride."""
+        if t.dim() >= 2:
+            if t.stride(-1) != 1 and t.size(-1) > 1:
+                raise ValueError("packed buffer views need a unit inner stride")
+            return t, t.stride(-2)
+        return t, width
+
+    @staticmethod
+    def _big(*sizes) -> bool:
+        return max(sizes) >= _INT32_SAFE
+
+    # ------------------------------------------------------------------ Codec primitives
+    def group_amax(self, x, groups: ScaleGroups, work, block_amax, out):
+        """Group amax of a padded fp32 ``x`` (NaN as +Inf): one launch for block scaling, two for
+        tensor/bucket scaling (block amax with per-run atomics, then the fp32 conversion)."""
+        nblocks, bs = groups.num_blocks, groups.block_size
+        nb = _blocks_per_program(bs, _AMAX_TILE, _AMAX_MAX_BLOCKS)
+        dev, idx64 = x.device, self._big(groups.rows * groups.chunk_numel)
+        common = dict(FP8=self._fp8, BS=bs, NB=nb, SOURCE=_SRC_DENSE, SRC_GROUPED=False, DIV_MODE=_DIV_NONE,
+                      HAS_RES=False, STORE_X=False, STORE_BAMAX=True, IDX64=idx64, num_warps=_warps(nb, bs))
+        grid = (triton.cdiv(nblocks, nb),)
+        if groups.block_group is None:
+            self._launch(_amax_kernel, grid, dev, x, x, x, x, 0, x, 0, x, 1, 1.0, 1.0, x, x, out, x, x, 0,
+                         nblocks, groups.chunk_numel // bs, 1, ATOMIC=False, **common)
+            return out
+        gam, epoch = self._primitive_scratch(dev, groups.num_groups)
+        grp = groups.block_group
+        self._launch(_amax_kernel, grid, dev, x, x, x, x, 0, x, 0, x, 1, 1.0, 1.0, x, x, block_amax, grp, gam, epoch,
+                     nblocks, groups.chunk_numel // bs, groups.groups_per_row, ATOMIC=True, **common)
+        ng = groups.num_groups
+        self._launch(_amax_finish_kernel, (triton.cdiv(ng, _GROUPS_PER_PROGRAM),), dev, gam, out, epoch, ng,
+                     GB=_GROUPS_PER_PROGRAM)
+        return out
+
+    def quantize_with_amax(self, x, groups: ScaleGroups, amax, payload, scale_inv, *, pre_scale, work,
+                           group_scale, block_scale, generator: Optional[torch.Generator] = None):
+        """Quantize a padded fp32 ``x`` with scales from the given group ``amax`` (times
+        ``pre_scale``), in one launch."""
+        self._quantize_dense(x, groups, payload, scale_inv, amax=amax, pre_scale=pre_scale, generator=generator)
+
+    def quantize(self, x, groups: ScaleGroups, payload, scale_inv, *, work, block_amax, group_amax, group_scale,
+                 block_scale, generator: Optional[torch.Generator] = None):
+        """Block scaling in one launch (amax, scale and cast fused); tensor/bucket scaling as amax
+        then cast."""
+        if groups.block_group is None:
+            self._quantize_dense(x, groups, payload, scale_inv, amax=None, pre_scale=1.0, generator=generator)
+            return
+        super().quantize(x, groups, payload, scale_inv, work=work, block_amax=block_amax, group_amax=group_amax,
+                         group_scale=group_scale, block_scale=block_scale, generator=generator)
+
+    def _quantize_dense(self, x, groups: ScaleGroups, payload, scale_inv, *, amax, pre_scale, generator):
+        rows, C, bs = groups.rows, groups.chunk_numel, groups.block_size
+        nblocks, bpc, G, ng = groups.num_blocks, C // bs, groups.groups_per_row, groups.num_groups
+        pay, pay_stride = self._rows_view(payload, C)
+        sc, sc_stride = self._rows_view(scale_inv, G)
+        if amax is None:
+            mode, grp, am = _AMAX_TILE_BLOCK, x, x
+        elif groups.block_group is None:
+            mode, grp, am = _AMAX_F32_BLOCK, x, amax
+        else:
+            mode, grp, am = _AMAX_F32_GROUP, groups.block_group, amax
+        nb = _blocks_per_program(bs, _QUANT_TILE)
+        nprog = triton.cdiv(nblocks, nb)
+        if mode == _AMAX_F32_GROUP:
+            nprog = max(nprog, triton.cdiv(ng, _GROUPS_PER_PROGRAM))
+        idx64 = self._big(rows * C, pay.numel() + rows * pay_stride)
+        self._launch(_quant_kernel, (nprog,), x.device,
+                     x, x, x, x, 0, x, 0, 1, 1.0, 1.0, grp, am, 0, x, 1.0, pay, pay_stride, sc, sc_stride,
+                     nblocks, bpc, G, ng, float(pre_scale), self._seed(generator, 2),
+                     BS=bs, NB=nb, GB=_GROUPS_PER_PROGRAM, SOURCE=_SRC_DENSE, AMAX_MODE=mode, RES_MODE=_RES_NONE,
+                     SR=self.stochastic_rounding, DIV_MODE=_DIV_NONE, IDX64=idx64, num_warps=_warps(nb, bs),
+                     **self._consts())
+
+    def dequantize(self, payload, scale_inv, groups: ScaleGroups, out, block_scale):
+        """``out = q * scale_inv`` per group into a padded fp32 buffer, in one launch."""
+        rows, C, bs = groups.rows, groups.chunk_numel, groups.block_size
+        nblocks, G = groups.num_blocks, groups.groups_per_row
+        pay, pay_stride = self._rows_view(payload, C)
+        sc, sc_stride = self._rows_view(scale_inv, G)
+        grouped = groups.block_group is not None
+        grp = groups.block_group if grouped else out
+        nb = _blocks_per_program(bs, _QUANT_TILE)
+        self._launch(_dequant_kernel, (triton.cdiv(nblocks, nb),), out.device,
+                     pay, pay_stride, sc, sc_stride, grp, G, out, out, out, nblocks, C // bs,
+                     FP8=self._fp8, BS=bs, NB=nb, GROUPED=grouped, SEGMENTED=False,
+                     IDX64=self._big(rows * C, rows * pay_stride), num_warps=_warps(nb, bs))
+        return out
+
+    def dequantize_sum(self, payload, scale_inv, groups: ScaleGroups, out, work, block_scale):
+        """Sum of the dequantized rows in fp32, in row order (as the reference), in one launch."""
+        rows, C, bs = groups.rows, groups.chunk_numel, groups.block_size
+        bpc, G = C // bs, groups.groups_per_row
+        pay, pay_stride = self._rows_view(payload, C)
+        sc, sc_stride = self._rows_view(scale_inv, G)
+        grouped = groups.block_group is not None
+        sgrp = groups.block_group if grouped else out
+        nb = _blocks_per_program(bs, _AMAX_TILE, _AMAX_MAX_BLOCKS)
+        self._launch(_amax_kernel, (triton.cdiv(bpc, nb),), out.device,
+                     out, out, out, pay, pay_stride, sc, sc_stride, sgrp, rows, 1.0, 1.0,
+                     out, out, out, out, out, 0, bpc, bpc, G,
+                     FP8=self._fp8, BS=bs, NB=nb, SOURCE=_SRC_RECV, SRC_GROUPED=grouped, DIV_MODE=_DIV_NONE,
+                     HAS_RES=False, STORE_X=True, STORE_BAMAX=False, ATOMIC=False,
+                     IDX64=self._big(rows * pay_stride), num_warps=_warps(nb, bs))
+        return out
+
+    # ------------------------------------------------------------------ two_shot's fused stages
+    def encode(self, flat: torch.Tensor, layout, residual: Optional[torch.Tensor] = None,
+               generator: Optional[torch.Generator] = None) -> None:
+        """Quantize the unpadded bucket ``flat`` (plus ``residual``) straight into ``layout.send``:
+        one launch for block scaling, two for tensor/bucket scaling."""
+        L, P = layout, self._plan(layout)
+        if not flat.is_contiguous():
+            raise ValueError("encode needs a contiguous flat bucket")
+        bs = L.block_size
+        res_mode = _RES_NONE if residual is None else _RES_ENCODE
+        res = residual if residual is not None else P.valid
+        pay, sc = L.send, P.send_f32
+        seed = self._seed(generator, 0)
+        dev = flat.device
+        nbq = _blocks_per_program(bs, _QUANT_TILE)
+        common = dict(BS=bs, SR=self.stochastic_rounding, DIV_MODE=_DIV_NONE, IDX64=P.idx64, **self._consts())
+        if L.scaling == "block":
+            self._launch(_quant_kernel, (triton.cdiv(P.nblocks, nbq),), dev,
+                         flat, P.src, P.valid, pay, 0, sc, 0, 1, 1.0, 1.0, P.valid, P.valid, 0, res, 1.0,
+                         pay, L.chunk_bytes, sc[:, P.scale_word0:], P.row_words,
+                         P.nblocks, L.blocks_per_chunk, L.groups.groups_per_row, L.groups.num_groups, 1.0, seed,
+                         NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=_SRC_SEGMENTS, AMAX_MODE=_AMAX_TILE_BLOCK,
+                         RES_MODE=res_mode, num_warps=_warps(nbq, bs), **common)
+            return
+        G, ng = L.groups.groups_per_row, L.groups.num_groups
+        epoch = P.next_epoch("enc")
+        nba = _blocks_per_program(bs, _AMAX_TILE, _AMAX_MAX_BLOCKS)
+        self._launch(_amax_kernel, (triton.cdiv(P.nblocks, nba),), dev,
+                     flat, P.src, P.valid, pay, 0, sc, 0, P.grp, 1, 1.0, 1.0,
+                     res, res, res, P.grp, P.gam_enc, epoch, P.nblocks, L.blocks_per_chunk, G,
+                     FP8=self._fp8, BS=bs, NB=nba, SOURCE=_SRC_SEGMENTS, SRC_GROUPED=False, DIV_MODE=_DIV_NONE,
+                     HAS_RES=residual is not None, STORE_X=False, STORE_BAMAX=False, ATOMIC=True, IDX64=P.idx64,
+                     num_warps=_warps(nba, bs))
+        nprog = max(triton.cdiv(P.nblocks, nbq), triton.cdiv(ng, _GROUPS_PER_PROGRAM))
+        self._launch(_quant_kernel, (nprog,), dev,
+                     flat, P.src, P.valid, pay, 0, sc, 0, 1, 1.0, 1.0, P.grp, P.gam_enc, epoch, res, 1.0,
+                     pay, L.chunk_bytes, sc[:, P.scale_word0:], P.row_words,
+                     P.nblocks, L.blocks_per_chunk, G, ng, 1.0, seed,
+                     NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=_SRC_SEGMENTS, AMAX_MODE=_AMAX_EPOCH_GROUP,
+                     RES_MODE=res_mode, num_warps=_warps(nbq, bs), **common)
+
+    def reduce_shard(self, layout, residual: Optional[torch.Tensor] = None,
+                     generator: Optional[torch.Generator] = None) -> None:
+        """Dequantize-sum the W received chunks in rank order, take the mean exactly as the
+        reference does, requantize into ``gather_in`` and fold W times the requantization error into
+        this rank's residual: one launch for block scaling, two for tensor/bucket scaling."""
+        L, P = layout, self._plan(layout)
+        W, C, bs, bpc = L.world_size, L.chunk_numel, L.block_size, L.blocks_per_chunk
+        dev = L.device
+        div_mode = _torch_div_mode(dev.type)
+        inv_w = 1.0 / W
+        res_mode = _RES_NONE if residual is None else _RES_FOLD
+        own = residual[L.rank * C:(L.rank + 1) * C] if residual is not None else P.valid
+        rp, rs = L.recv, P.recv_f32[:, P.scale_word0:]
+        gp, gs = L.gather_in, P.gather_in_f32[P.scale_word0:]
+        seed = self._seed(generator, 1)
+        nbq = _blocks_per_program(bs, _QUANT_TILE)
+        common = dict(BS=bs, SR=self.stochastic_rounding, IDX64=P.idx64, **self._consts())
+        if L.scaling == "block":
+            self._launch(_quant_kernel, (triton.cdiv(bpc, nbq),), dev,
+                         rp, rp, rp, rp, L.chunk_bytes, rs, P.row_words, W, inv_w, float(W),
+                         own, own, 0, own, float(W), gp, C, gs, bpc,
+                         bpc, bpc, bpc, bpc, 1.0, seed,
+                         NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=_SRC_RECV, AMAX_MODE=_AMAX_TILE_BLOCK,
+                         RES_MODE=res_mode, DIV_MODE=div_mode, num_warps=_warps(nbq, bs), **common)
+            return
+        G = L.own_groups.groups_per_row
+        epoch = P.next_epoch("red")
+        nba = _blocks_per_program(bs, _AMAX_TILE, _AMAX_MAX_BLOCKS)
+        self._launch(_amax_kernel, (triton.cdiv(bpc, nba),), dev,
+                     rp, rp, rp, rp, L.chunk_bytes, rs, P.row_words, P.own_grp_all, W, inv_w, float(W),
+                     L.shard, L.shard, L.shard, P.own_grp, P.gam_red, epoch, bpc, bpc, G,
+                     FP8=self._fp8, BS=bs, NB=nba, SOURCE=_SRC_RECV, SRC_GROUPED=True, DIV_MODE=div_mode,
+                     HAS_RES=False, STORE_X=True, STORE_BAMAX=False, ATOMIC=True, IDX64=P.idx64,
+                     num_warps=_warps(nba, bs))
+        nprog = max(triton.cdiv(bpc, nbq), triton.cdiv(G, _GROUPS_PER_PROGRAM))
+        self._launch(_quant_kernel, (nprog,), dev,
+                     L.shard, L.shard, L.shard, rp, 0, rs, 0, 1, 1.0, 1.0, P.own_grp, P.gam_red, epoch,
+                     own, float(W), gp, C, gs, G,
+                     bpc, bpc, G, G, 1.0, seed,
+                     NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=_SRC_DENSE, AMAX_MODE=_AMAX_EPOCH_GROUP,
+                     RES_MODE=res_mode, DIV_MODE=_DIV_NONE, num_warps=_warps(nbq, bs), **common)
+
+    def decode(self, layout, flat: torch.Tensor) -> torch.Tensor:
+        """Dequantize ``gather_out`` straight into the bucket ``flat`` in its dtype (one launch)."""
+        L, P = layout, self._plan(layout)
+        if not flat.is_contiguous():
+            raise ValueError("decode needs a contiguous flat bucket")
+        bs = L.block_size
+        grouped = L.groups.block_group is not None
+        nb = _blocks_per_program(bs, _QUANT_TILE)
+        self._launch(_dequant_kernel, (triton.cdiv(P.nblocks, nb),), flat.device,
+                     L.gather_out, L.chunk_bytes, P.gather_out_f32[:, P.scale_word0:], P.row_words,
+                     P.grp if grouped else P.valid, L.groups.groups_per_row, flat, P.src, P.valid,
+                     P.nblocks, L.blocks_per_chunk,
+                     FP8=self._fp8, BS=bs, NB=nb, GROUPED=grouped, SEGMENTED=True, IDX64=P.idx64,
+                     num_warps=_warps(nb, bs))
+        return flat
