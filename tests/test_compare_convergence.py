@@ -1,0 +1,60 @@
+"""scripts/compare_convergence.py on a tiny configuration: digits, one seed, 20 steps, three modes
+(fp32, FP8 E4M3, FP8 with error feedback: three torchrun worlds of 2, ~25 s on 2 CPU cores). Checks
+the JSON schema of convergence.json, its summary, and that the logs and the PNG exist."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "compare_convergence.py")
+RUN_KEYS = {"task", "grad_comm", "fp8_format", "error_feedback", "algorithm", "seed", "world_size",
+            "final_eval_loss", "final_accuracy", "steps", "bytes_sent", "bytes_baseline", "log"}
+
+pytest.importorskip("sklearn")
+pytest.importorskip("matplotlib")
+
+
+def test_tiny_comparison_writes_schema_logs_and_plot(tmp_path):
+    out = tmp_path / "results"
+    proc = subprocess.run([sys.executable, SCRIPT, "--tasks", "digits", "--seeds", "0", "--steps-digits", "20",
+                           "--modes", "none", "fp8-e4m3", "fp8-e4m3-ef", "--out-dir", str(out)],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "| task | mode | seed |" in proc.stdout
+
+    data = json.loads((out / "convergence.json").read_text())
+    runs = data["runs"]
+    assert [(r["mode"], r["grad_comm"]) for r in runs] == [("none", "none"), ("fp8-e4m3", "fp8"),
+                                                           ("fp8-e4m3-ef", "fp8")]
+    for r in runs:
+        assert RUN_KEYS <= set(r)
+        assert r["task"] == "digits" and r["seed"] == 0 and r["world_size"] == 2 and r["steps"] == 20
+        assert r["final_eval_loss"] > 0 and 0 <= r["final_accuracy"] <= 1
+        assert r["bytes_baseline"] > 0 and r["bytes_sent"] > 0
+        log = r["log"] if os.path.isabs(r["log"]) else os.path.join(REPO, r["log"])
+        assert os.path.isfile(log)
+        record = json.loads(open(log).read())
+        assert record["summary"]["final_eval_loss"] == r["final_eval_loss"]
+        assert len(record["evals"]) >= 2
+    none, e4m3, ef = runs
+    assert none["fp8_format"] is None and none["error_feedback"] is None and none["algorithm"] is None
+    assert none["bytes_sent"] == none["bytes_baseline"]
+    assert e4m3["fp8_format"] == "e4m3" and e4m3["error_feedback"] is False and e4m3["algorithm"] == "two_shot"
+    assert ef["error_feedback"] is True
+    assert e4m3["bytes_sent"] < 0.3 * e4m3["bytes_baseline"]  # FP8 + scales: about a quarter of fp32
+
+    s = data["summary"]["digits"]
+    assert set(s["none_spread"]) >= {"seeds", "min", "max", "std", "rel_range"}
+    assert s["none_spread"]["seeds"] == [0] and s["none_spread"]["std"] == 0.0
+    comps = {c["mode"]: c for c in s["comparisons"]}
+    assert set(comps) == {"fp8-e4m3", "fp8-e4m3-ef"}
+    for c in comps.values():
+        assert c["rel_diff"] == pytest.approx(c["final_eval_loss"] / none["final_eval_loss"] - 1)
+        assert c["within_1pct"] == (abs(c["rel_diff"]) <= 0.01)
+    assert isinstance(s["all_fp8_within_1pct"], bool)
+    assert isinstance(s["error_feedback_at_least_as_close"], bool)
+    assert (out / "convergence-digits.png").stat().st_size > 1000
+    assert not (out / "convergence-charlm.png").exists()
