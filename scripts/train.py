@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="examples (digits) or sequences (charlm) per rank per step (default: digits %d, charlm %d)"
                         % (TASK_DEFAULTS["digits"]["batch_size"], TASK_DEFAULTS["charlm"]["batch_size"]))
     p.add_argument("--lr", type=float, default=None,
-                   help="peak AdamW learning rate (default: digits %g, charlm %g); linear warm-up, cosine to 10%%"
+                   help="peak AdamW learning rate (default: digits %g, charlm %g); linear warm-up, cosine to 10%%%%"
                         % (TASK_DEFAULTS["digits"]["lr"], TASK_DEFAULTS["charlm"]["lr"]))
     p.add_argument("--lr-warmup-steps", type=int, default=None, help="default: 5%% of --steps")
     p.add_argument("--weight-decay", type=float, default=0.01)
