@@ -67,7 +67,7 @@ def test_ddp_nccl_world1(nccl_world1, algorithm):
     ref = [p.detach().clone() for p in net.parameters()]
     d = DDP(net, device_ids=[0], bucket_cap_mb=0.5)
     st = register_ddp_hook(d, FP8CommConfig(algorithm=algorithm, min_compress_numel=0))
-    opt = torch.optim.SGD(d.parameters(), lr=0.1)
+    opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
     g = torch.Generator(device="cuda").manual_seed(0)
     xs = torch.randn(512, 64, device="cuda", generator=g)
     ys = (xs[:, :10] * 3).argmax(1)
@@ -79,10 +79,9 @@ def test_ddp_nccl_world1(nccl_world1, algorithm):
         loss.backward()
         opt.step()
         last = loss.item()
-    assert last < 0.6 * first
+    assert last < 0.3 * first, (first, last)
     s = st.stats()
     assert s["steps"] == 30
     if algorithm != "none":
         assert s["compressed_buckets"] >= 30
-        # gradients were really quantized: one manual step's gradient differs from fp32 slightly
     assert s["nonfinite_buckets"] == 0

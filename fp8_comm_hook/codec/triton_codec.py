@@ -249,9 +249,10 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
         qb = _soft_fp8_bits(y, MBITS, MIN_EXP, BIAS)
         qf = qb.to(FP8, bitcast=True).to(tl.float32)
     else:
-        q = y.to(FP8)
-        qb = q.to(tl.uint8, bitcast=True)
-        qf = q.to(tl.float32)
+        qb = y.to(FP8).to(tl.uint8, bitcast=True)
+        # The dequantized value comes back from the stored bytes, as the decode kernel reads them
+        # (a direct fp8 -> fp32 of the cast result gave wrong residuals on sm90 with Triton 3.6).
+        qf = qb.to(FP8, bitcast=True).to(tl.float32)
     row = b // bpc
     lb = b - row * bpc
     tl.store(pay_ptr + row[:, None] * pay_stride + lb[:, None] * BS + cols[None, :], qb, mask=bmask[:, None])
@@ -395,12 +396,8 @@ class _Plan:
             self.gam_enc = torch.zeros(L.groups.num_groups, dtype=torch.int64, device=dev)
             self.gam_red = torch.zeros(L.own_groups.num_groups, dtype=torch.int64, device=dev)
         self._epochs = {"enc": 0, "red": 0}
-        # Views of the packed buffers (payload bytes and fp32 scales), with row strides.
-        f32 = lambda t: t.view(torch.float32)  # noqa: E731
-        self.send_f32 = f32(L.send)
-        self.recv_f32 = f32(L.recv)
-        self.gather_in_f32 = f32(L.gather_in)
-        self.gather_out_f32 = f32(L.gather_out)
+        # The packed buffers are viewed as fp32 at each call (``L.send.view(torch.float32)``), not
+        # cached here: a pooled layout (FSDP) rebinds them to other storage between calls.
         self.row_words = L.chunk_bytes // 4
         self.scale_word0 = C // 4
 
@@ -591,7 +588,7 @@ class TritonCodec(Codec):
         bs = L.block_size
         res_mode = _RES_NONE if residual is None else _RES_ENCODE
         res = residual if residual is not None else P.valid
-        pay, sc = L.send, P.send_f32
+        pay, sc = L.send, L.send.view(torch.float32)
         seed = self._seed(generator, 0)
         dev = flat.device
         nbq = _blocks_per_program(bs, _QUANT_TILE)
@@ -633,8 +630,8 @@ class TritonCodec(Codec):
         inv_w = 1.0 / W
         res_mode = _RES_NONE if residual is None else _RES_FOLD
         own = residual[L.rank * C:(L.rank + 1) * C] if residual is not None else P.valid
-        rp, rs = L.recv, P.recv_f32[:, P.scale_word0:]
-        gp, gs = L.gather_in, P.gather_in_f32[P.scale_word0:]
+        rp, rs = L.recv, L.recv.view(torch.float32)[:, P.scale_word0:]
+        gp, gs = L.gather_in, L.gather_in.view(torch.float32)[P.scale_word0:]
         seed = self._seed(generator, 1)
         nbq = _blocks_per_program(bs, _QUANT_TILE)
         common = dict(BS=bs, SR=self.stochastic_rounding, IDX64=P.idx64, **self._consts())
@@ -672,7 +669,7 @@ class TritonCodec(Codec):
         grouped = L.groups.block_group is not None
         nb = _blocks_per_program(bs, _QUANT_TILE)
         self._launch(_dequant_kernel, (triton.cdiv(P.nblocks, nb),), flat.device,
-                     L.gather_out, L.chunk_bytes, P.gather_out_f32[:, P.scale_word0:], P.row_words,
+                     L.gather_out, L.chunk_bytes, L.gather_out.view(torch.float32)[:, P.scale_word0:], P.row_words,
                      P.grp if grouped else P.valid, L.groups.groups_per_row, flat, P.src, P.valid,
                      P.nblocks, L.blocks_per_chunk,
                      FP8=self._fp8, BS=bs, NB=nb, GROUPED=grouped, SEGMENTED=True, IDX64=P.idx64,
