@@ -79,22 +79,27 @@ def chk_gpu_fsdp2(rank, W):
 
 
 @pytest.fixture(scope="module")
-def world():
-    return run_world(2, [chk_gpu_fsdp1, chk_gpu_fsdp2])
+def world_fsdp1():
+    return run_world(2, [chk_gpu_fsdp1])
 
 
-def test_gpu_fsdp1(world):
-    per_rank = values(world, "chk_gpu_fsdp1")
+@pytest.fixture(scope="module")
+def world_fsdp2():
+    return run_world(2, [chk_gpu_fsdp2])
+
+
+def test_gpu_fsdp2(world_fsdp2):
+    per_rank = values(world_fsdp2, "chk_gpu_fsdp2")
+    err, ratio, dig, compressed = per_rank[0]
+    assert 0.015 < err < 0.035 and abs(ratio - 1) < 0.05 and compressed >= 1
+    assert per_rank[1][2] == dig
+
+
+def test_gpu_fsdp1(world_fsdp1):
+    per_rank = values(world_fsdp1, "chk_gpu_fsdp1")
     for strategy in ("FULL_SHARD", "NO_SHARD"):
         err, ratio, dig, compressed, codec = per_rank[0][strategy]
         bound = 0.035 if strategy == "FULL_SHARD" else 0.045
         assert 0.015 < err < bound, (strategy, err)
         assert abs(ratio - 1) < 0.05 and compressed >= 1
         assert per_rank[1][strategy][2] == dig, "ranks disagree"
-
-
-def test_gpu_fsdp2(world):
-    per_rank = values(world, "chk_gpu_fsdp2")
-    err, ratio, dig, compressed = per_rank[0]
-    assert 0.015 < err < 0.035 and abs(ratio - 1) < 0.05 and compressed >= 1
-    assert per_rank[1][2] == dig

@@ -45,7 +45,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _FLT_MAX = tl.constexpr(FLOAT32_MAX)  # scales are clamped to it (a denormal amax gives a finite scale)
 
 # Source of the values a kernel quantizes.
-_SRC_DENSE, _SRC_SEGMENTS, _SRC_RECV = 0, 1, 2
+# _SRC_CONTIG: the bucket is one run starting at 0 in both buffers (no padding inside), read with
+# plain (vectorisable) loads; ``nsrc`` then holds its valid length.
+_SRC_DENSE, _SRC_SEGMENTS, _SRC_RECV, _SRC_CONTIG = 0, 1, 2, 3
 # Where the amax of a block's scale comes from.
 _AMAX_TILE_BLOCK, _AMAX_EPOCH_GROUP, _AMAX_F32_GROUP, _AMAX_F32_BLOCK = 0, 1, 2, 3
 # What happens to the residual (error feedback).
@@ -67,6 +69,20 @@ def _scales(amax, FMAX: tl.constexpr, pre_scale):
     sinv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s)
     sinv = tl.where(finite, sinv, float("nan"))
     return s, sinv
+
+
+@triton.jit
+def _fp8_bits_to_f32(bits, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """Exact fp32 value of FP8 bit patterns (int32 in 0..255) by integer arithmetic. Used for the
+    error-feedback residual: on sm90 with Triton 3.6 converting the just-cast FP8 register back to
+    fp32 gave wrong values for some elements although the stored bytes were right."""
+    s = (bits >> 7) & 1
+    e = (bits >> MBITS) & ((1 << (7 - MBITS)) - 1)
+    m = bits & ((1 << MBITS) - 1)
+    vn = (((e - BIAS + 127) << 23) | (m << (23 - MBITS))).to(tl.float32, bitcast=True)
+    sub = tl.full(bits.shape, (128 - BIAS - MBITS) << 23, tl.int32).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * sub, vn)
+    return tl.where(s == 1, -v, v)
 
 
 @triton.jit
@@ -128,6 +144,9 @@ def _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, r
         nv = tl.load(valid_ptr + b, mask=bmask, other=0)
         m = cols[None, :] < nv[:, None]
         x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    elif SOURCE == 3:
+        eo = b[:, None] * BS + cols[None, :]
+        x = tl.load(x_ptr + eo, mask=bmask[:, None] & (eo < nsrc), other=0.0).to(tl.float32)
     else:
         poffs = b[:, None] * BS + cols[None, :]
         if SRC_GROUPED:
@@ -247,19 +266,15 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
         y = _stochastic_round(y, seed, eoffs, MBITS, MIN_EXP, FMAX)
     if SOFT_FP8:
         qb = _soft_fp8_bits(y, MBITS, MIN_EXP, BIAS)
-        qf = qb.to(FP8, bitcast=True).to(tl.float32)
     else:
         qb = y.to(FP8).to(tl.uint8, bitcast=True)
-        # The dequantized value comes back from the stored bytes, as the decode kernel reads them
-        # (a direct fp8 -> fp32 of the cast result gave wrong residuals on sm90 with Triton 3.6).
-        qf = qb.to(FP8, bitcast=True).to(tl.float32)
     row = b // bpc
     lb = b - row * bpc
     tl.store(pay_ptr + row[:, None] * pay_stride + lb[:, None] * BS + cols[None, :], qb, mask=bmask[:, None])
     if AMAX_MODE == 0 or AMAX_MODE == 3:
         tl.store(sc_ptr + row * sc_stride + lb, sinv, mask=bmask)
     if RES_MODE != 0:
-        dq = qf * sinv[:, None]
+        dq = _fp8_bits_to_f32(qb.to(tl.int32), MBITS, BIAS) * sinv[:, None]
         if RES_MODE == 1:
             tl.store(res_ptr + eoffs, x - dq, mask=bmask[:, None])
         else:
@@ -282,9 +297,9 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
 
 @triton.jit(do_not_specialize=["G", "nblocks", "bpc"])
 def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr, src_ptr, valid_ptr,
-                    nblocks, bpc,
+                    nblocks, bpc, nvalid,
                     FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, GROUPED: tl.constexpr,
-                    SEGMENTED: tl.constexpr, IDX64: tl.constexpr):
+                    SEGMENTED: tl.constexpr, IDX64: tl.constexpr, CONTIG: tl.constexpr = False):
     """``q * scale_inv`` per block of packed rows, into a dense fp32 buffer or (SEGMENTED) straight
     into the unpadded bucket in its dtype, skipping padding."""
     pid = tl.program_id(0)
@@ -302,7 +317,10 @@ def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr,
     q = tl.load(pay_ptr + row[:, None] * pay_stride + lb[:, None] * BS + cols[None, :], mask=bmask[:, None], other=0)
     si = tl.load(sc_ptr + row * sc_stride + gl, mask=bmask, other=0.0)
     v = q.to(FP8, bitcast=True).to(tl.float32) * si[:, None]
-    if SEGMENTED:
+    if CONTIG:  # one run from offset 0: plain stores of the first nvalid elements
+        eo = b[:, None] * BS + cols[None, :]
+        tl.store(out_ptr + eo, v.to(out_ptr.dtype.element_ty), mask=bmask[:, None] & (eo < nvalid))
+    elif SEGMENTED:
         src = tl.load(src_ptr + b, mask=bmask, other=0)
         nv = tl.load(valid_ptr + b, mask=bmask, other=0)
         tl.store(out_ptr + src[:, None] + cols[None, :], v.to(out_ptr.dtype.element_ty),
@@ -396,6 +414,10 @@ class _Plan:
             self.gam_enc = torch.zeros(L.groups.num_groups, dtype=torch.int64, device=dev)
             self.gam_red = torch.zeros(L.own_groups.num_groups, dtype=torch.int64, device=dev)
         self._epochs = {"enc": 0, "red": 0}
+        # One run from offset 0 in both buffers (no padding inside the bucket): plain loads/stores.
+        runs = L.copy_runs
+        self.contig = (runs[0][2] if len(runs) == 1 and runs[0][0] == 0 and runs[0][1] == 0
+                       else (0 if not runs else None))
         # The packed buffers are viewed as fp32 at each call (``L.send.view(torch.float32)``), not
         # cached here: a pooled layout (FSDP) rebinds them to other storage between calls.
         self.row_words = L.chunk_bytes // 4
@@ -555,7 +577,7 @@ class TritonCodec(Codec):
         grp = groups.block_group if grouped else out
         nb = _blocks_per_program(bs, _QUANT_TILE)
         self._launch(_dequant_kernel, (triton.cdiv(nblocks, nb),), out.device,
-                     pay, pay_stride, sc, sc_stride, grp, G, out, out, out, nblocks, C // bs,
+                     pay, pay_stride, sc, sc_stride, grp, G, out, out, out, nblocks, C // bs, 0,
                      FP8=self._fp8, BS=bs, NB=nb, GROUPED=grouped, SEGMENTED=False,
                      IDX64=self._big(rows * C, rows * pay_stride), num_warps=_warps(nb, bs))
         return out
@@ -592,30 +614,31 @@ class TritonCodec(Codec):
         seed = self._seed(generator, 0)
         dev = flat.device
         nbq = _blocks_per_program(bs, _QUANT_TILE)
+        source, nsrc = (_SRC_CONTIG, P.contig) if P.contig is not None else (_SRC_SEGMENTS, 1)
         common = dict(BS=bs, SR=self.stochastic_rounding, DIV_MODE=_DIV_NONE, IDX64=P.idx64, **self._consts())
         if L.scaling == "block":
             self._launch(_quant_kernel, (triton.cdiv(P.nblocks, nbq),), dev,
-                         flat, P.src, P.valid, pay, 0, sc, 0, 1, 1.0, 1.0, P.valid, P.valid, 0, res, 1.0,
+                         flat, P.src, P.valid, pay, 0, sc, 0, nsrc, 1.0, 1.0, P.valid, P.valid, 0, res, 1.0,
                          pay, L.chunk_bytes, sc[:, P.scale_word0:], P.row_words,
                          P.nblocks, L.blocks_per_chunk, L.groups.groups_per_row, L.groups.num_groups, 1.0, seed,
-                         NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=_SRC_SEGMENTS, AMAX_MODE=_AMAX_TILE_BLOCK,
+                         NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=source, AMAX_MODE=_AMAX_TILE_BLOCK,
                          RES_MODE=res_mode, num_warps=_warps(nbq, bs), **common)
             return
         G, ng = L.groups.groups_per_row, L.groups.num_groups
         epoch = P.next_epoch("enc")
         nba = _blocks_per_program(bs, _AMAX_TILE, _AMAX_MAX_BLOCKS)
         self._launch(_amax_kernel, (triton.cdiv(P.nblocks, nba),), dev,
-                     flat, P.src, P.valid, pay, 0, sc, 0, P.grp, 1, 1.0, 1.0,
+                     flat, P.src, P.valid, pay, 0, sc, 0, P.grp, nsrc, 1.0, 1.0,
                      res, res, res, P.grp, P.gam_enc, epoch, P.nblocks, L.blocks_per_chunk, G,
-                     FP8=self._fp8, BS=bs, NB=nba, SOURCE=_SRC_SEGMENTS, SRC_GROUPED=False, DIV_MODE=_DIV_NONE,
+                     FP8=self._fp8, BS=bs, NB=nba, SOURCE=source, SRC_GROUPED=False, DIV_MODE=_DIV_NONE,
                      HAS_RES=residual is not None, STORE_X=False, STORE_BAMAX=False, ATOMIC=True, IDX64=P.idx64,
                      num_warps=_warps(nba, bs))
         nprog = max(triton.cdiv(P.nblocks, nbq), triton.cdiv(ng, _GROUPS_PER_PROGRAM))
         self._launch(_quant_kernel, (nprog,), dev,
-                     flat, P.src, P.valid, pay, 0, sc, 0, 1, 1.0, 1.0, P.grp, P.gam_enc, epoch, res, 1.0,
+                     flat, P.src, P.valid, pay, 0, sc, 0, nsrc, 1.0, 1.0, P.grp, P.gam_enc, epoch, res, 1.0,
                      pay, L.chunk_bytes, sc[:, P.scale_word0:], P.row_words,
                      P.nblocks, L.blocks_per_chunk, G, ng, 1.0, seed,
-                     NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=_SRC_SEGMENTS, AMAX_MODE=_AMAX_EPOCH_GROUP,
+                     NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=source, AMAX_MODE=_AMAX_EPOCH_GROUP,
                      RES_MODE=res_mode, num_warps=_warps(nbq, bs), **common)
 
     def reduce_shard(self, layout, residual: Optional[torch.Tensor] = None,
@@ -671,7 +694,7 @@ class TritonCodec(Codec):
         self._launch(_dequant_kernel, (triton.cdiv(P.nblocks, nb),), flat.device,
                      L.gather_out, L.chunk_bytes, L.gather_out.view(torch.float32)[:, P.scale_word0:], P.row_words,
                      P.grp if grouped else P.valid, L.groups.groups_per_row, flat, P.src, P.valid,
-                     P.nblocks, L.blocks_per_chunk,
+                     P.nblocks, L.blocks_per_chunk, P.contig or 0,
                      FP8=self._fp8, BS=bs, NB=nb, GROUPED=grouped, SEGMENTED=True, IDX64=P.idx64,
-                     num_warps=_warps(nb, bs))
+                     CONTIG=P.contig is not None, num_warps=_warps(nb, bs))
         return flat
