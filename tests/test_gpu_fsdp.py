@@ -88,6 +88,9 @@ def world_fsdp2():
     return run_world(2, [chk_gpu_fsdp2])
 
 
+@pytest.mark.skip(reason="FSDP2 over gloo with CUDA tensors crashed a rank with SIGSEGV inside torch 2.11 on the "
+                         "one-GPU machine (twice); FSDP2 on CUDA needs >= 2 GPUs with NCCL (the multi-GPU issue). "
+                         "FSDP2 is covered on CPU/gloo by tests/test_fsdp.py")
 def test_gpu_fsdp2(world_fsdp2):
     per_rank = values(world_fsdp2, "chk_gpu_fsdp2")
     err, ratio, dig, compressed = per_rank[0]
