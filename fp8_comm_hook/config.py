@@ -19,10 +19,14 @@ BACKENDS = ("auto", "torch", "triton", "te")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
-#: Buckets with fewer elements than this go through a plain all-reduce by default. Below about 64K
-#: elements (256 KB of fp32) the two collectives and the codec's fixed cost exceed what FP8 saves on
-#: the wire (see README, "Choosing min_compress_numel", measured with scripts/bench_hook.py).
-DEFAULT_MIN_COMPRESS_NUMEL = 65536
+#: Buckets with fewer elements than this go through a plain all-reduce by default. Measured on an
+#: H200 host (scripts/bench_codec.py, hook_cpu_overhead): an FP8 two_shot bucket costs about 0.6 ms
+#: more host time than a plain all-reduce (two collectives and the codec launches instead of one
+#: collective). FP8 saves 2(W-1)/W * ~2.97 bytes per fp32 element on the wire (5.2 B at W=8), so it
+#: breaks even at n = 0.6 ms * link_bandwidth / 5.2 B: about 360K elements on a 25 Gb/s link, 1.4M on
+#: 100 Gb/s. 262144 elements (1 MB of fp32, DDP's first bucket) suits the bandwidth-bound links FP8
+#: is for; lower it on slower links, raise it on fast ones (README, "Choosing min_compress_numel").
+DEFAULT_MIN_COMPRESS_NUMEL = 262144
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +48,7 @@ class FP8CommConfig:
       error_feedback [False]: carry each rank's quantization error to the next step.
       stochastic_rounding [False]: unbiased random rounding to the FP8 grid instead of RNE.
       seed [0]: seed of the stochastic-rounding generator (mixed with the step counter).
-      min_compress_numel [65536]: buckets with fewer elements go uncompressed; 0 compresses all.
+      min_compress_numel [262144]: buckets with fewer elements go uncompressed; 0 compresses all.
       warmup_steps [0]: the first N steps go uncompressed.
     """
 

@@ -51,6 +51,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import fp8_comm_hook
+from fp8_comm_hook import FP8CommConfig
 from fp8_comm_hook.cli import add_cli_args, config_from_args, grad_comm_from_args, register_grad_comm
 
 log = logging.getLogger("train")
@@ -125,7 +126,10 @@ def resolve_args(parser: argparse.ArgumentParser, argv=None):
         args.lr_warmup_steps = max(1, args.steps // 20)
     try:
         grad_comm = grad_comm_from_args(args)
-        config = config_from_args(args)
+        # The demo models fit in one small bucket; the library's default min_compress_numel (sized
+        # for real models' buckets) would send it uncompressed, so the trainer compresses everything
+        # unless --fp8-min-compress-numel / FP8_COMM_MIN_COMPRESS_NUMEL says otherwise.
+        config = config_from_args(args, base=FP8CommConfig(min_compress_numel=0))
     except ValueError as e:
         parser.error(str(e))
     return args, grad_comm, config
