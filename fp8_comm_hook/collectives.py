@@ -7,7 +7,7 @@ the last collective's handle, and ``finish()`` runs the local tail (dequantize, 
 the flat tensor. With ``async_op=False`` it waits and returns the flat tensor.
 """
 import math
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ from .layout import BucketLayout
 from .stats import CommStats, ring_allreduce_bytes
 
 __all__ = ["two_shot", "nccl_fp8", "plain_all_reduce", "all_gather_into", "reduce_scatter_into",
-           "check_nccl_fp8_supported"]
+           "check_nccl_fp8_supported", "encode_shared_scales"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -105,15 +105,16 @@ def adapt_pre_scale(layout: BucketLayout, world_size: int) -> float:
     return next_pre_scale(ps, int(sat.item()) if sat is not None else 0, layout.padded_numel, world_size)
 
 
-def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre_scale: Optional[float] = None,
-             stats: Optional[CommStats] = None, residual: Optional[torch.Tensor] = None,
-             generator: Optional[torch.Generator] = None, async_op: bool = False):
-    """Mean of ``flat`` through NCCL's FP8 SUM all-reduce (MS-AMP style): per-group amax, one MAX
-    all-reduce of the amax vector, shared scales times ``pre_scale``, FP8 sum, dequantize with
-    scale_inv / W. Values at +-fmax after the sum are counted as saturated. ``pre_scale=None`` starts
-    at 1/sqrt(W) and adapts per bucket (:func:`next_pre_scale`)."""
+def encode_shared_scales(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *,
+                         pre_scale: Optional[float] = None, residual: Optional[torch.Tensor] = None,
+                         generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """The first half of an FP8 sum (``nccl_fp8`` and its reduce-scatter form): per-group amax of the
+    whole padded bucket, one MAX all-reduce of the amax vector (NaN already reported as +Inf, so it
+    survives), then quantize with the shared scales times ``pre_scale`` (None: automatic, see
+    :func:`adapt_pre_scale`) into ``layout.fp8_wire`` ([W, chunk] uint8). With ``residual``, it is
+    added first and replaced by this rank's quantization error. Returns the shared scale_inv
+    ([W, groups_per_chunk] fp32, pre-scale included)."""
     L, W, C = layout, layout.world_size, layout.chunk_numel
-    fmt = codec.fmt
     if pre_scale is None:
         ps = L.auto_pre_scale = adapt_pre_scale(L, W)
     else:
@@ -125,6 +126,7 @@ def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre
     dist.all_reduce(L.group_amax, op=dist.ReduceOp.MAX, group=group, async_op=True).wait()
     if L.fp8_wire is None:
         L.fp8_wire = torch.empty(W, C, dtype=torch.uint8, device=L.device)
+    if getattr(L, "fp8_scale_inv", None) is None:
         L.fp8_scale_inv = torch.empty(L.groups.num_groups, dtype=torch.float32, device=L.device)
     sinv = L.fp8_scale_inv.view(W, -1)
     codec.quantize_with_amax(x, L.groups, L.group_amax, L.fp8_wire, sinv, pre_scale=ps, work=L.work,
@@ -132,6 +134,19 @@ def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre
     if residual is not None:
         codec.dequantize(L.fp8_wire, sinv, L.groups, L.work, L.block_scale)
         torch.sub(x, L.work, out=residual)
+    return sinv
+
+
+def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre_scale: Optional[float] = None,
+             stats: Optional[CommStats] = None, residual: Optional[torch.Tensor] = None,
+             generator: Optional[torch.Generator] = None, async_op: bool = False):
+    """Mean of ``flat`` through NCCL's FP8 SUM all-reduce (MS-AMP style): per-group amax, one MAX
+    all-reduce of the amax vector, shared scales times ``pre_scale``, FP8 sum, dequantize with
+    scale_inv / W. Values at +-fmax after the sum are counted as saturated. ``pre_scale=None`` starts
+    at 1/sqrt(W) and adapts per bucket (:func:`next_pre_scale`)."""
+    L, W = layout, layout.world_size
+    fmt = codec.fmt
+    sinv = encode_shared_scales(flat, L, codec, group, pre_scale=pre_scale, residual=residual, generator=generator)
     work = dist.all_reduce(L.fp8_wire.view(fmt.dtype), op=dist.ReduceOp.SUM, group=group, async_op=True)
     if stats is not None:
         stats.add("bytes_sent", ring_allreduce_bytes(4 * L.groups.num_groups + L.padded_numel, W))

@@ -148,26 +148,10 @@ def nccl_fp8_reduce_scatter(flat: torch.Tensor, out: torch.Tensor, layout: Bucke
     own chunk with the shared scale_inv (divided by W when ``average``). Returns ``out``."""
     L, W, C = layout, layout.world_size, layout.chunk_numel
     fmt = codec.fmt
-    if pre_scale is None:
-        ps = L.auto_pre_scale = collectives.adapt_pre_scale(L, W)
-    else:
-        ps = float(pre_scale)
-    x = L.gather_from(flat)
-    if residual is not None:
-        x.add_(residual)
-    codec.group_amax(x, L.groups, L.work, L.block_amax, L.group_amax)
-    dist.all_reduce(L.group_amax, op=dist.ReduceOp.MAX, group=group, async_op=True).wait()
-    if L.fp8_wire is None:
-        L.fp8_wire = torch.empty(W, C, dtype=torch.uint8, device=L.device)
-        L.fp8_scale_inv = torch.empty(L.groups.num_groups, dtype=torch.float32, device=L.device)
     if getattr(L, "fp8_out", None) is None:
         L.fp8_out = torch.empty(C, dtype=torch.uint8, device=L.device)
-    sinv = L.fp8_scale_inv.view(W, -1)
-    codec.quantize_with_amax(x, L.groups, L.group_amax, L.fp8_wire, sinv, pre_scale=ps, work=L.work,
-                             group_scale=L.group_scale, block_scale=L.block_scale, generator=generator)
-    if residual is not None:
-        codec.dequantize(L.fp8_wire, sinv, L.groups, L.work, L.block_scale)
-        torch.sub(x, L.work, out=residual)
+    sinv = collectives.encode_shared_scales(flat, L, codec, group, pre_scale=pre_scale, residual=residual,
+                                            generator=generator)
     collectives.reduce_scatter_into(L.fp8_out.view(fmt.dtype), L.fp8_wire.view(-1).view(fmt.dtype),
                                     op=dist.ReduceOp.SUM, group=group, async_op=True).wait()
     sat = (L.fp8_out.view(fmt.dtype).float().abs() >= fmt.fmax).sum()

@@ -2,7 +2,7 @@
 residuals, the step counter and the stats), with checkpointing that holds only tensors and
 primitives and pickling without the process group (as torch's PowerSGD state does)."""
 import logging
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
