@@ -177,7 +177,7 @@ _AR_NCCL = ("staging", "work", "fp8_wire")
 
 
 class PooledLayout(BucketLayout):
-    """A :class:`BucketLayout` whose large buffers (fp32 staging/work/shard, packed send/recv/gather,
+    """A :class:`BucketLayout` whose large buffers (fp32 staging, work and shard buffers, packed send, recv and gather,
     the FP8 wire) are views into a pool shared by every flat gradient of one state, bound before
     each use with :meth:`bind`; the small per-block scale buffers stay its own.
 
