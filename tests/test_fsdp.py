@@ -77,6 +77,18 @@ def _compare(got, ref_local):
                 ratio=(g.norm() / r.norm()).item(), digest=digest([got[n] for n in names]))
 
 
+def _compare_steps(ref, model, rank, full_grads, n=3):
+    """``n`` backward passes of the plain ``ref`` and the FSDP ``model`` on this rank's batches; the
+    :func:`_compare` of the full FSDP gradients against the exact mean, per pass."""
+    steps = []
+    for it in range(n):
+        x, y = batch(rank, it)
+        loc = _local(ref, x, y)
+        _local(model, x, y)
+        steps.append(_compare(full_grads(model), loc))
+    return steps
+
+
 def _train(make, rank, W, steps=30):
     """AdamW on a fixed classification task; each rank sees its own slice. Returns the full-batch
     loss before and after, and a digest of the full parameters."""
@@ -115,12 +127,7 @@ def chk_fsdp1_grads(rank, W):
         ref = mlp(depth=4, width=64)
         model = _fsdp1(copy.deepcopy(ref), strategy, **kw)
         st = register_fsdp_hook(model, FP8CommConfig(**{**CFG0, **cfg}))
-        steps = []
-        for it in range(3):
-            x, y = batch(rank, it)
-            loc = _local(ref, x, y)
-            _local(model, x, y)
-            steps.append(_compare(_fsdp1_full_grads(model), loc))
+        steps = _compare_steps(ref, model, rank, _fsdp1_full_grads)
         out[name] = dict(steps=steps, stats=st.stats())
     return out
 
@@ -234,12 +241,7 @@ def chk_fsdp2_grads(rank, W):
         ref = mlp(depth=4, width=64)
         model = _fsdp2(copy.deepcopy(ref), **kw)
         st = register_fsdp_hook(model, FP8CommConfig(**CFG0))
-        steps = []
-        for it in range(3):
-            x, y = batch(rank, it)
-            loc = _local(ref, x, y)
-            _local(model, x, y)
-            steps.append(_compare(_fsdp2_full_grads(model), loc))
+        steps = _compare_steps(ref, model, rank, _fsdp2_full_grads)
         out[name] = dict(steps=steps, stats=st.stats())
     return out
 
