@@ -2,24 +2,31 @@
 """Convergence of FP8 gradient communication against a plain fp32 all-reduce, on the trainer's two
 tasks (``scripts/train.py --task digits|charlm``), world 2.
 
-For each task it runs, one torchrun world of 2 at a time (``OMP_NUM_THREADS=1``; the trainer picks
-CUDA/NCCL when there are enough GPUs, gloo on CPU otherwise):
+For each task it runs torchrun worlds of 2 (``OMP_NUM_THREADS=1``; ``--jobs`` of them at a time;
+``--device``: ``auto`` takes CUDA/NCCL when there are at least 2 GPUs and the CPU (gloo) otherwise,
+``cuda`` with fewer GPUs than ranks lets the ranks share the GPU through gloo with CUDA tensors):
 
   none          ``--grad-comm none`` (fp32 all-reduce), once per ``--seeds`` (default 0 1 2): the
                 seed-to-seed spread is the yardstick for every other difference
-  bf16          ``--grad-comm bf16``                              (first seed)
-  fp8-e4m3      ``--grad-comm fp8``                               (first seed)
-  fp8-e5m2      ``--grad-comm fp8 --fp8-format e5m2``             (first seed)
-  fp8-e4m3-ef   ``--grad-comm fp8 --fp8-error-feedback``          (first seed)
+  bf16          ``--grad-comm bf16``                              (``--compressed-seeds``)
+  fp8-e4m3      ``--grad-comm fp8``                               (``--compressed-seeds``)
+  fp8-e5m2      ``--grad-comm fp8 --fp8-format e5m2``             (``--compressed-seeds``)
+  fp8-e4m3-ef   ``--grad-comm fp8 --fp8-error-feedback``          (``--compressed-seeds``)
 
-and writes ``OUT/convergence.json`` (every run's final held-out loss, accuracy, bytes, its per-step
+``--compressed-seeds`` defaults to the first of ``--seeds``; every compressed run is compared with
+the fp32 run of its own seed, so each of them needs a ``none`` run of that seed.
+
+It writes ``OUT/convergence.json`` after every finished run (so an interrupted comparison keeps
+what it ran) with every run's final held-out loss, accuracy, bytes, its per-step
 log, and a summary: the spread of the ``none`` seeds and each compressed run's relative difference to
 the ``none`` run of the same seed, within 1% or not), one PNG per task (``OUT/convergence-TASK.png``:
-eval loss against step, and the relative difference to the fp32 seed-0 curve) and prints a table.
+eval loss against step, and each run's relative difference to the fp32 curve of its seed) and prints
+a table.
 The per-step logs go to ``--log-dir`` (thinned to every Nth training step if one exceeds 300 KB).
 
     python scripts/compare_convergence.py                       # the full comparison (~20 min on 2 CPU cores)
     python scripts/compare_convergence.py --tasks digits --seeds 0 --steps-digits 20 --out-dir /tmp/cc
+    python scripts/compare_convergence.py --device cuda --jobs 6 --seeds 0 1 2 3 --compressed-seeds 0 1 2 3
 """
 import argparse
 import json
@@ -29,7 +36,9 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join("scripts", "train.py")
@@ -52,7 +61,9 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2],
-                   help="seeds of the fp32 (none) runs; the compressed modes run with the first (default 0 1 2)")
+                   help="seeds of the fp32 (none) runs (default 0 1 2)")
+    p.add_argument("--compressed-seeds", nargs="+", type=int, default=None,
+                   help="seeds of the bf16 and fp8 runs, each a subset of --seeds (default: the first of --seeds)")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                    help="modes to run (default: all); 'none' is always run")
     p.add_argument("--steps-digits", type=int, default=300, help="optimizer steps for digits (default 300)")
@@ -64,6 +75,14 @@ def build_parser():
     p.add_argument("--log-dir", default=None,
                    help="per-step JSON logs (default benchmarks/results/convergence-logs, or OUT-DIR/convergence-logs "
                         "when --out-dir is given)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA/NCCL with >= 2 GPUs, else CPU/gloo; cuda: on one GPU the ranks share it "
+                        "through gloo (default auto)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="torchrun worlds run at a time (default 1; each rank uses one CPU thread)")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the log of every planned run already in --log-dir with the same task, mode, "
+                        "seed, steps, eval interval and --extra-args (on any device); run the rest")
     p.add_argument("--extra-args", default="",
                    help="passed to every train.py run, last (so it overrides), e.g. \"--fp8-block-size 64\"")
     return p
@@ -76,25 +95,37 @@ def rel_to_repo(path):
     return path if rel.startswith("..") else rel.replace(os.sep, "/")
 
 
-def device_args():
-    """The trainer picks CUDA when present; NCCL cannot put two ranks on one GPU, so with fewer GPUs
-    than ranks run on CPU (gloo) instead."""
+def device_args(device="auto"):
+    """Trainer flags for ``--device``. NCCL cannot put two ranks on one GPU: with fewer GPUs than
+    ranks, ``auto`` runs on CPU (gloo) and ``cuda`` shares the GPUs through gloo with CUDA tensors."""
     try:
         import torch
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except Exception:
         n = 0
+    if device == "cpu":
+        return ["--device", "cpu"]
+    if device == "cuda":
+        if n == 0:
+            raise SystemExit("--device cuda: no CUDA device")
+        if n < NPROC:
+            print(f"{n} GPU(s) for {NPROC} ranks: the ranks share them through gloo", file=sys.stderr)
+            return ["--device", "cuda", "--backend", "gloo"]
+        return ["--device", "cuda"]
     if 0 < n < NPROC:
         print(f"{n} GPU(s) for {NPROC} ranks: running on CPU (gloo)", file=sys.stderr)
         return ["--device", "cpu"]
     return []
 
 
-def thin_log(record, path):
-    """Rewrite the trainer's log at ``path`` with ``args.log_json`` relative to the repo; if it is
-    larger than LOG_LIMIT_BYTES keep every Nth training step (plus the first and last; evals and
-    summary untouched)."""
+def thin_log(record, path, run_key, wall):
+    """Rewrite the trainer's log at ``path`` with ``args.log_json`` relative to the repo, the run's
+    identity (``run_key``, what ``--resume`` matches) and its wall time; if it is larger than
+    LOG_LIMIT_BYTES keep every Nth training step (plus the first and last; evals and summary
+    untouched)."""
     record["args"]["log_json"] = rel_to_repo(path)
+    record["comparison_run"] = run_key
+    record["wall_time_s"] = wall
     text = json.dumps(record, indent=1)
     if len(text) > LOG_LIMIT_BYTES:
         steps = record["steps"]
@@ -107,26 +138,59 @@ def thin_log(record, path):
         f.write(text)
 
 
-def run_one(task, mode, seed, steps, eval_every, log_dir, extra):
+class RunFailed(RuntimeError):
+    """A trainer run exited non-zero; the message holds its command and the tail of its output."""
+
+
+def log_path_of(task, mode, seed, log_dir):
+    return os.path.join(log_dir, f"{task}-{mode}-seed{seed}.json")
+
+
+def run_key_of(task, mode, seed, steps, eval_every, user_extra):
+    """What identifies a run for ``--resume``: everything that shapes the curve except the device."""
+    return {"task": task, "mode": mode, "seed": seed, "steps": steps, "eval_every": eval_every,
+            "extra_args": list(user_extra)}
+
+
+def run_one(task, mode, seed, steps, eval_every, log_dir, device_extra, user_extra):
     """One torchrun world: returns (row for convergence.json, the log record, wall seconds)."""
     grad_comm, flags = MODES[mode]
-    log_path = os.path.join(log_dir, f"{task}-{mode}-seed{seed}.json")
+    log_path = log_path_of(task, mode, seed, log_dir)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(NPROC), TRAIN,
            "--task", task, "--grad-comm", grad_comm, *flags, "--seed", str(seed), "--steps", str(steps),
-           "--eval-every", str(eval_every), "--no-progress", "--log-json", log_path, *extra]
+           "--eval-every", str(eval_every), "--no-progress", "--log-json", log_path, *device_extra, *user_extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-6000:])
-        raise SystemExit(f"run failed (rc {proc.returncode}): {shlex.join(cmd)}")
+        raise RunFailed(f"run failed (rc {proc.returncode}): {shlex.join(cmd)}\n{proc.stdout[-6000:]}")
     with open(log_path) as f:
         record = json.load(f)
-    thin_log(record, log_path)
+    thin_log(record, log_path, run_key_of(task, mode, seed, steps, eval_every, user_extra), wall)
+    return row_of(task, mode, record, log_path), record, wall
+
+
+def resumed_run(task, mode, seed, steps, eval_every, log_dir, user_extra):
+    """(row, record, wall) from an earlier run's log in ``log_dir`` when it is the same run
+    (see :func:`run_key_of`), else None."""
+    log_path = log_path_of(task, mode, seed, log_dir)
+    try:
+        with open(log_path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if record.get("comparison_run") != run_key_of(task, mode, seed, steps, eval_every, user_extra):
+        return None
+    return row_of(task, mode, record, log_path), record, record.get("wall_time_s")
+
+
+def row_of(task, mode, record, log_path):
+    """The convergence.json row of one run from its trainer log."""
+    grad_comm = MODES[mode][0]
     s = record["summary"]
     cfg = s.get("fp8_config") or {}
-    row = {
+    return {
         "task": task, "mode": mode, "grad_comm": s["grad_comm"],
         "fp8_format": cfg.get("fp8_format") if grad_comm == "fp8" else None,
         "error_feedback": cfg.get("error_feedback") if grad_comm == "fp8" else None,
@@ -136,19 +200,22 @@ def run_one(task, mode, seed, steps, eval_every, log_dir, extra):
         "steps": s["steps"], "bytes_sent": s["bytes_sent"], "bytes_baseline": s["bytes_baseline"],
         "bytes_ratio": s["bytes_sent"] / s["bytes_baseline"] if s["bytes_baseline"] else None,
         "initial_eval_loss": s["initial_eval_loss"], "final_train_loss": s["final_train_loss"],
-        "device": s["device"], "backend": s["backend"], "train_time_s": s["train_time_s"], "wall_time_s": wall,
+        "device": s["device"], "backend": s["backend"], "train_time_s": s["train_time_s"],
+        "wall_time_s": record.get("wall_time_s"),
         "log": rel_to_repo(log_path),
     }
-    return row, record, wall
 
 
 def summarize(runs):
-    """Per task: spread of the none runs over seeds, and every compressed run against the none run
-    of the same seed."""
+    """Per task: spread of the none runs over seeds, every compressed run against the none run of
+    the same seed, and per compressed mode the mean signed / mean absolute / largest absolute
+    difference over its seeds."""
     out = {}
     for task in dict.fromkeys(r["task"] for r in runs):
         rows = [r for r in runs if r["task"] == task]
         none = {r["seed"]: r for r in rows if r["mode"] == "none"}
+        if not none:
+            continue
         losses = [r["final_eval_loss"] for r in none.values()]
         mean = statistics.fmean(losses)
         spread = {"seeds": sorted(none), "min": min(losses), "max": max(losses), "mean": mean,
@@ -159,7 +226,7 @@ def summarize(runs):
             spread["accuracy_min"], spread["accuracy_max"] = min(accs), max(accs)
         comps = []
         for r in rows:
-            if r["mode"] == "none":
+            if r["mode"] == "none" or r["seed"] not in none:
                 continue
             ref = none[r["seed"]]
             rel = r["final_eval_loss"] / ref["final_eval_loss"] - 1
@@ -167,14 +234,25 @@ def summarize(runs):
                           "error_feedback": r["error_feedback"], "seed": r["seed"],
                           "final_eval_loss": r["final_eval_loss"], "fp32_final_eval_loss": ref["final_eval_loss"],
                           "rel_diff": rel, "within_1pct": abs(rel) <= WITHIN, "bytes_ratio": r["bytes_ratio"]})
+        per_mode = {}
+        for mode in dict.fromkeys(c["mode"] for c in comps):
+            d = [c["rel_diff"] for c in comps if c["mode"] == mode]
+            per_mode[mode] = {"seeds": [c["seed"] for c in comps if c["mode"] == mode],
+                              "mean_rel_diff": statistics.fmean(d),
+                              "mean_abs_rel_diff": statistics.fmean(abs(x) for x in d),
+                              "max_abs_rel_diff": max(abs(x) for x in d)}
         fp8 = [c for c in comps if c["grad_comm"] == "fp8"]
-        task_sum = {"none_spread": spread, "comparisons": comps,
+        task_sum = {"none_spread": spread, "comparisons": comps, "per_mode": per_mode,
                     "all_fp8_within_1pct": all(c["within_1pct"] for c in fp8) if fp8 else None}
         by_mode = {(c["mode"], c["seed"]): c for c in comps}
         ef = [(c, by_mode.get(("fp8-e4m3", c["seed"]))) for c in comps if c["mode"] == "fp8-e4m3-ef"]
         if ef and all(plain is not None for _, plain in ef):
+            # per seed (every seed must hold), and on the mean |difference| over the same seeds
             task_sum["error_feedback_at_least_as_close"] = all(
                 abs(c["rel_diff"]) <= abs(plain["rel_diff"]) for c, plain in ef)
+            task_sum["error_feedback_mean_abs_at_least_as_close"] = (
+                statistics.fmean(abs(c["rel_diff"]) for c, _ in ef)
+                <= statistics.fmean(abs(plain["rel_diff"]) for _, plain in ef))
         out[task] = task_sum
     return out
 
@@ -185,38 +263,49 @@ def plot(task, runs, records, path):
     import matplotlib.pyplot as plt
 
     rows = [r for r in runs if r["task"] == task]
-    ref_row = min((r for r in rows if r["mode"] == "none"), key=lambda r: r["seed"])
-    ref = {e["step"]: e["eval_loss"] for e in records[ref_row["log"]]["evals"]}
+    nones = {r["seed"]: r for r in rows if r["mode"] == "none"}
+    rows = [r for r in rows if r["seed"] in nones]
+    ref_row = nones[min(nones)]
+    curve = {seed: {e["step"]: e["eval_loss"] for e in records[r["log"]]["evals"]} for seed, r in nones.items()}
     colors = {"bf16": "tab:green", "fp8-e4m3": "tab:red", "fp8-e5m2": "tab:orange", "fp8-e4m3-ef": "tab:purple"}
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    labelled = set()
     for r in rows:
         ev = records[r["log"]]["evals"]
         x = [e["step"] for e in ev]
         y = [e["eval_loss"] for e in ev]
+        # compressed runs against the fp32 run of their seed; other fp32 seeds against the first
+        ref = curve[ref_row["seed"] if r["mode"] == "none" else r["seed"]]
         d = [100 * (e["eval_loss"] / ref[e["step"]] - 1) for e in ev if e["step"] in ref]
         if r["mode"] == "none":
-            kw = dict(color="black", lw=0.8, alpha=0.9 if r is ref_row else 0.45,
-                      ls="-" if r is ref_row else ":", label=f"fp32 (none) seed {r['seed']}")
+            label = "fp32 (none)" + ("" if r is ref_row else f", other seeds (vs seed {ref_row['seed']})")
+            kw = dict(color="black", lw=0.8, alpha=0.9 if r is ref_row else 0.45, ls="-" if r is ref_row else ":")
         else:
-            kw = dict(color=colors.get(r["mode"], None), lw=1.4, label=f"{r['mode']} seed {r['seed']}")
+            label = r["mode"]
+            kw = dict(color=colors.get(r["mode"], None), lw=1.2, alpha=0.85)
+        if label not in labelled:
+            kw["label"] = label
+            labelled.add(label)
         ax.plot(x, y, **kw)
         if r is not ref_row:
             ax2.plot([e["step"] for e in ev if e["step"] in ref], d, **kw)
     ax.set_yscale("log")
     ax.set_ylabel("held-out loss" + (" (nats/byte)" if task == "charlm" else ""))
-    ax.set_title(f"{task}: held-out loss, world {ref_row['world_size']}, {ref_row['device']} / {ref_row['backend']}")
+    seeds = sorted({r["seed"] for r in rows})
+    ax.set_title(f"{task}: held-out loss, world {ref_row['world_size']}, {ref_row['device']} / {ref_row['backend']}, "
+                 f"seeds {', '.join(map(str, seeds))}", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     ax2.axhspan(-100 * WITHIN, 100 * WITHIN, color="tab:blue", alpha=0.08, label="±1%")
     ax2.axhline(0, color="black", lw=0.8)
-    ax2.set_ylabel(f"vs fp32 seed {ref_row['seed']} (%)")
+    ax2.set_ylabel("vs fp32, same seed (%)")
     ax2.set_xlabel("optimizer step")
     ax2.grid(alpha=0.3)
     # scale to the compressed modes over the second half (where the bar applies), at least +-1.5%;
     # the other fp32 seeds may run off this scale (their spread is in the summary)
-    steps = sorted(ref)
-    tail = [100 * (e["eval_loss"] / ref[e["step"]] - 1) for r in rows if r["mode"] != "none"
-            for e in records[r["log"]]["evals"] if e["step"] in ref and e["step"] >= steps[len(steps) // 2]]
+    steps = sorted(curve[ref_row["seed"]])
+    tail = [100 * (e["eval_loss"] / curve[r["seed"]][e["step"]] - 1) for r in rows if r["mode"] != "none"
+            for e in records[r["log"]]["evals"] if e["step"] in curve[r["seed"]] and e["step"] >= steps[len(steps) // 2]]
     lim = max([1.5 * abs(v) for v in tail] + [1.5 * 100 * WITHIN])
     ax2.set_ylim(-lim, lim)
     fig.tight_layout()
@@ -238,34 +327,12 @@ def fmt_table(runs, summary):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    a = build_parser().parse_args(argv)
-    if a.log_dir is None:
-        a.log_dir = os.path.join(a.out_dir, "convergence-logs")
-    out_dir, log_dir = os.path.abspath(a.out_dir), os.path.abspath(a.log_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    os.makedirs(log_dir, exist_ok=True)
-    extra = device_args() + shlex.split(a.extra_args)
-    modes = ["none"] + [m for m in a.modes if m != "none"]
-    plan = []
-    for task in a.tasks:
-        steps = a.steps_digits if task == "digits" else a.steps_charlm
-        every = a.eval_every_digits if task == "digits" else a.eval_every_charlm
-        for mode in modes:
-            for seed in (a.seeds if mode == "none" else a.seeds[:1]):
-                plan.append((task, mode, seed, steps, min(every, steps)))
-    runs, records, t_start = [], {}, time.perf_counter()
-    for i, (task, mode, seed, steps, every) in enumerate(plan):
-        print(f"[{i + 1}/{len(plan)}] {task} {mode} seed {seed}, {steps} steps ...", flush=True)
-        row, record, wall = run_one(task, mode, seed, steps, every, log_dir, extra)
-        runs.append(row)
-        records[row["log"]] = record
-        ratio = "n/a" if row["bytes_ratio"] is None else f"{row['bytes_ratio']:.4f}"
-        print(f"    final eval loss {row['final_eval_loss']:.5f}, bytes ratio {ratio}, {wall:.0f} s", flush=True)
+def write_results(runs, records, argv, extra, a, out_dir, t_start, final, planned):
+    """Summarize ``runs`` (plan order) and write convergence.json (and, when ``final``, the PNGs)."""
     summary = summarize(runs)
-    for task in dict.fromkeys(r["task"] for r in runs):
-        plot(task, runs, records, os.path.join(out_dir, f"convergence-{task}.png"))
-    total = time.perf_counter() - t_start
+    if final:
+        for task in summary:
+            plot(task, runs, records, os.path.join(out_dir, f"convergence-{task}.png"))
     result = {
         "runs": runs,
         "summary": {
@@ -275,20 +342,103 @@ def main(argv=None):
                                                                                  else sys.argv[1:])]),
             "trainer_extra_args": extra,
             "nproc_per_node": NPROC,
-            "total_wall_time_s": total,
+            "jobs": a.jobs,
+            "complete": final and len(runs) == planned,
+            "total_wall_time_s": time.perf_counter() - t_start,
         },
     }
-    with open(os.path.join(out_dir, "convergence.json"), "w") as f:
+    tmp = os.path.join(out_dir, "convergence.json.tmp")
+    with open(tmp, "w") as f:
         json.dump(result, f, indent=1)
+    os.replace(tmp, os.path.join(out_dir, "convergence.json"))
+    return result
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    if a.jobs < 1:
+        raise SystemExit(f"--jobs must be >= 1, got {a.jobs}")
+    compressed_seeds = a.seeds[:1] if a.compressed_seeds is None else a.compressed_seeds
+    missing = sorted(set(compressed_seeds) - set(a.seeds))
+    if missing:
+        raise SystemExit(f"--compressed-seeds {missing} have no fp32 run: add them to --seeds {a.seeds}")
+    if a.log_dir is None:
+        a.log_dir = os.path.join(a.out_dir, "convergence-logs")
+    out_dir, log_dir = os.path.abspath(a.out_dir), os.path.abspath(a.log_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(log_dir, exist_ok=True)
+    device_extra, user_extra = device_args(a.device), shlex.split(a.extra_args)
+    extra = device_extra + user_extra
+    modes = ["none"] + [m for m in a.modes if m != "none"]
+    plan = []
+    for task in a.tasks:
+        steps = a.steps_digits if task == "digits" else a.steps_charlm
+        every = a.eval_every_digits if task == "digits" else a.eval_every_charlm
+        for mode in modes:
+            for seed in (a.seeds if mode == "none" else compressed_seeds):
+                plan.append((task, mode, seed, steps, min(every, steps)))
+    done, records, t_start, lock = {}, {}, time.perf_counter(), threading.Lock()
+
+    def one(i):
+        task, mode, seed, steps, every = plan[i]
+        with lock:
+            print(f"[{i + 1}/{len(plan)}] {task} {mode} seed {seed}, {steps} steps: started", flush=True)
+        return i, run_one(task, mode, seed, steps, every, log_dir, device_extra, user_extra)
+
+    todo = []
+    for i, (task, mode, seed, steps, every) in enumerate(plan):
+        got = resumed_run(task, mode, seed, steps, every, log_dir, user_extra) if a.resume else None
+        if got is None:
+            todo.append(i)
+        else:
+            done[i], records[got[0]["log"]] = got[0], got[1]
+            print(f"[{i + 1}/{len(plan)}] {task} {mode} seed {seed}: resumed from {got[0]['log']} "
+                  f"({got[0]['device']}), final eval loss {got[0]['final_eval_loss']:.5f}", flush=True)
+    with ThreadPoolExecutor(max_workers=a.jobs) as pool:
+        futures = [pool.submit(one, i) for i in todo]
+        failed = []
+        try:
+            for fut in as_completed(futures):
+                try:
+                    i, (row, record, wall) = fut.result()
+                except RunFailed as e:  # the other runs go on; the script exits non-zero at the end
+                    with lock:
+                        failed.append(str(e).splitlines()[0])
+                        print(e, file=sys.stderr, flush=True)
+                    continue
+                with lock:
+                    done[i] = row
+                    records[row["log"]] = record
+                    ratio = "n/a" if row["bytes_ratio"] is None else f"{row['bytes_ratio']:.4f}"
+                    print(f"[{i + 1}/{len(plan)}] {row['task']} {row['mode']} seed {row['seed']}: final eval loss "
+                          f"{row['final_eval_loss']:.5f}, bytes ratio {ratio}, {wall:.0f} s "
+                          f"({len(done)}/{len(plan)} done)", flush=True)
+                    write_results([done[k] for k in sorted(done)], records, argv, extra, a, out_dir, t_start,
+                                  final=False, planned=len(plan))
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise
+    runs = [done[k] for k in sorted(done)]
+    result = write_results(runs, records, argv, extra, a, out_dir, t_start, final=True, planned=len(plan))
+    summary = {k: v for k, v in result["summary"].items() if k in a.tasks}
+    total = result["summary"]["total_wall_time_s"]
     print()
     print(fmt_table(runs, summary))
     for task, s in summary.items():
         sp = s["none_spread"]
         print(f"{task}: fp32 seeds {sp['seeds']}: final eval loss min {sp['min']:.5f} max {sp['max']:.5f} "
               f"std {sp['std']:.5f} (max-min)/mean {100 * sp['rel_range']:.2f}%; all fp8 within 1%: "
-              f"{s['all_fp8_within_1pct']}; error feedback at least as close: "
-              f"{s.get('error_feedback_at_least_as_close')}")
+              f"{s['all_fp8_within_1pct']}; error feedback at least as close: every seed "
+              f"{s.get('error_feedback_at_least_as_close')}, on mean |diff| "
+              f"{s.get('error_feedback_mean_abs_at_least_as_close')}")
+        for mode, m in s["per_mode"].items():
+            print(f"    {mode:12s} seeds {m['seeds']}: mean diff {100 * m['mean_rel_diff']:+.2f}%, mean |diff| "
+                  f"{100 * m['mean_abs_rel_diff']:.2f}%, max |diff| {100 * m['max_abs_rel_diff']:.2f}%")
     print(f"total wall time {total / 60:.1f} min; wrote {rel_to_repo(os.path.join(out_dir, 'convergence.json'))}")
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(plan)} runs failed (the rest are in convergence.json):\n"
+                         + "\n".join(failed))
     return result
 
 
