@@ -1,4 +1,4 @@
-"""Lightning and Accelerate integrations: each example runs as 2 CPU processes over gloo and trains
+"""Lightning, Accelerate and transformers.Trainer integrations: each example runs as 2 CPU processes over gloo and trains
 with the FP8 hook registered (stats prove the hook ran, the loss proves training worked)."""
 import importlib.util
 import json
@@ -47,6 +47,53 @@ def test_accelerate_hook_trains_with_fp8(tmp_path):
     r = _last_json(p.stdout)
     assert r["wrapped"] == "DistributedDataParallel"
     _check(r)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers not installed (pip install transformers)")
+def test_transformers_trainer_callback_trains_with_fp8(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        os.path.join(ROOT, "examples", "transformers_trainer_fp8.py"), "--cpu"],
+                       cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = _last_json(p.stdout)
+    assert r["wrapped"] == "DistributedDataParallel"
+    _check(r)
+
+
+def test_transformers_callback_without_ddp_registers_nothing(tmp_path, caplog):
+    """One process: the Trainer does not wrap the model; the callback says so and leaves it alone."""
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers not installed (pip install transformers)")
+    import logging
+
+    import torch
+    from transformers import Trainer, TrainingArguments
+    from fp8_comm_hook import FP8CommConfig
+    from fp8_comm_hook.integrations.transformers import FP8CommCallback, register_trainer_hook
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x, labels=None):
+            return {"loss": torch.nn.functional.cross_entropy(self.lin(x), labels)}
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"x": torch.randn(4, generator=g), "labels": torch.tensor(i % 2)} for i in range(16)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, use_cpu=True,
+                             save_strategy="no", report_to=[], disable_tqdm=True)
+    trainer = Trainer(model=Net(), args=args, train_dataset=rows)
+    cb = register_trainer_hook(trainer, FP8CommConfig(fp8_format="e5m2"))
+    assert cb in trainer.callback_handler.callbacks and cb.config.fp8_format == "e5m2"
+    with caplog.at_level(logging.INFO, logger="fp8_comm_hook"):
+        trainer.train()
+    assert cb.state is None
+    assert "not DDP" in caplog.text and "FP8 hook not registered" in caplog.text
+    with pytest.raises(TypeError, match="FP8CommConfig"):
+        FP8CommCallback(trainer, {"fp8_format": "e4m3"})
 
 
 def test_lightning_strategy_rejects_own_hook_arguments():
