@@ -8,6 +8,9 @@ For each task it runs torchrun worlds of 2 (``OMP_NUM_THREADS=1``; ``--jobs`` of
 
   none          ``--grad-comm none`` (fp32 all-reduce), once per ``--seeds`` (default 0 1 2): the
                 seed-to-seed spread is the yardstick for every other difference
+  none-rerun    ``--grad-comm none`` again (``--compressed-seeds``; only with ``--modes none-rerun``): the
+                same-seed fp32 rerun, bit-identical on CPU, not on GPU (nondeterministic kernels), so
+                it measures how far two fp32 runs of one seed drift apart there
   bf16          ``--grad-comm bf16``                              (``--compressed-seeds``)
   fp8-e4m3      ``--grad-comm fp8``                               (``--compressed-seeds``)
   fp8-e5m2      ``--grad-comm fp8 --fp8-format e5m2``             (``--compressed-seeds``)
@@ -49,6 +52,7 @@ WITHIN = 0.01   # the bar: |final eval loss / fp32's - 1| <= 1%
 #: mode name -> (grad_comm, extra trainer flags)
 MODES = {
     "none": ("none", []),
+    "none-rerun": ("none", []),
     "bf16": ("bf16", []),
     "fp8-e4m3": ("fp8", ["--fp8-format", "e4m3"]),
     "fp8-e5m2": ("fp8", ["--fp8-format", "e5m2"]),
@@ -64,7 +68,7 @@ def build_parser():
                    help="seeds of the fp32 (none) runs (default 0 1 2)")
     p.add_argument("--compressed-seeds", nargs="+", type=int, default=None,
                    help="seeds of the bf16 and fp8 runs, each a subset of --seeds (default: the first of --seeds)")
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=[m for m in MODES if m != "none-rerun"],
                    help="modes to run (default: all); 'none' is always run")
     p.add_argument("--steps-digits", type=int, default=300, help="optimizer steps for digits (default 300)")
     p.add_argument("--steps-charlm", type=int, default=600, help="optimizer steps for charlm (default 600)")
@@ -267,7 +271,7 @@ def plot(task, runs, records, path):
     rows = [r for r in rows if r["seed"] in nones]
     ref_row = nones[min(nones)]
     curve = {seed: {e["step"]: e["eval_loss"] for e in records[r["log"]]["evals"]} for seed, r in nones.items()}
-    colors = {"bf16": "tab:green", "fp8-e4m3": "tab:red", "fp8-e5m2": "tab:orange", "fp8-e4m3-ef": "tab:purple"}
+    colors = {"none-rerun": "tab:gray", "bf16": "tab:green", "fp8-e4m3": "tab:red", "fp8-e5m2": "tab:orange", "fp8-e4m3-ef": "tab:purple"}
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     labelled = set()
     for r in rows:
