@@ -1,0 +1,205 @@
+#!/usr/bin/env python
+"""What error feedback buys, measured without training noise: the FP8 all-reduce's error accumulated
+along one fixed trajectory, with and without error feedback.
+
+Final losses of separate runs (``compare_convergence.py``) cannot show it: any perturbation of the
+gradients, bf16's as much as FP8's, sends a run down a different path whose final loss differs from
+fp32's by about the seed-to-seed spread. Here the trajectory is held fixed instead ("teacher
+forcing"): a world of ``--world`` ranks (gloo, CPU) trains the trainer's ``--task`` with the exact
+fp64 mean of the ranks' gradients, and at every step the same local gradients also go through
+``fp8_comm_hook.all_reduce`` for each compressed mode (E4M3 and E5M2, each with and without error
+feedback; each mode keeps its own residual). For mode ``m`` and step ``t`` it records
+
+  step error     ||g_m(t) - g(t)|| / ||g(t)||           the per-step error (error feedback adds the
+                                                       residual, so this is not where it helps)
+  drift          ||sum_{s<=t} (g_m(s) - g(t))|| / ||sum_{s<=t} g(s)||
+                                                       what an SGD-like optimizer integrates: error
+                                                       feedback keeps the numerator bounded (it is
+                                                       minus the mean residual), without it it grows
+
+where ``g`` is the exact mean. It prints a table at a few steps and writes ``--out`` (JSON) and a
+PNG next to it (drift and step error against step).
+
+    python scripts/measure_error_feedback.py --task charlm --steps 300 --out benchmarks/results/error-feedback-charlm.json
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+#: mode name -> FP8CommConfig overrides
+MODES = {
+    "fp8-e4m3": dict(fp8_format="e4m3", error_feedback=False),
+    "fp8-e4m3-ef": dict(fp8_format="e4m3", error_feedback=True),
+    "fp8-e5m2": dict(fp8_format="e5m2", error_feedback=False),
+    "fp8-e5m2-ef": dict(fp8_format="e5m2", error_feedback=True),
+}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=("digits", "charlm"), default="charlm")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default 300)")
+    p.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    p.add_argument("--out", default=os.path.join("benchmarks", "results", "error-feedback.json"),
+                   help="JSON output; the PNG goes next to it with the same stem")
+    p.add_argument("--train-args", default="",
+                   help="extra scripts/train.py flags for the task (e.g. \"--batch-size 8\"); the trainer's "
+                        "--fp8-* flags set the compressed modes' shared config (default block size etc.)")
+    return p
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def set_grads(model, flat):
+    o = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.grad.copy_(flat[o:o + n].view_as(p))
+        o += n
+
+
+def worker(rank, a, store_path, result_path):
+    sys.path.insert(0, HERE)
+    import shlex
+
+    import train as trainer
+    import fp8_comm_hook
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, a.world), rank=rank, world_size=a.world)
+    try:
+        argv = ["--task", a.task, "--steps", str(a.steps), "--seed", str(a.seed), "--device", "cpu",
+                "--grad-comm", "fp8", *shlex.split(a.train_args)]
+        args, _, base = trainer.resolve_args(trainer.build_parser(), argv)
+        task = trainer.TASKS[a.task](args, torch.device("cpu"), rank, a.world)
+        torch.manual_seed(args.seed)
+        model = task.build_model()
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+        configs = {m: base.replace(**MODES[m]) for m in a.modes}
+        numel = sum(p.numel() for p in model.parameters())
+        drift = {m: torch.zeros(numel, dtype=torch.float64) for m in a.modes}
+        total = torch.zeros(numel, dtype=torch.float64)
+        rows = []
+        t0 = time.perf_counter()
+        for step in range(a.steps):
+            lr = trainer.lr_at(step, args)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad(set_to_none=False)
+            loss = task.loss(model, step)
+            loss.backward()
+            local = flat_grads(model)
+            exact = local.double()
+            dist.all_reduce(exact)
+            exact.div_(a.world)
+            total.add_(exact)
+            norm, total_norm = exact.norm().item(), total.norm().item()
+            row = {"step": step + 1, "loss": loss.item(), "lr": lr, "grad_norm": norm}
+            for m in a.modes:
+                got = fp8_comm_hook.all_reduce(local.clone(), configs[m]).double()
+                err = got - exact
+                drift[m].add_(err)
+                row[m] = {"step_error": err.norm().item() / norm, "drift": drift[m].norm().item() / total_norm}
+            rows.append(row)
+            if rank == 0 and ((step + 1) % max(1, a.steps // 10) == 0 or step + 1 == a.steps):
+                print(f"step {step + 1}/{a.steps} ({time.perf_counter() - t0:.0f} s): loss {row['loss']:.4f}, drift "
+                      + ", ".join(f"{m} {row[m]['drift']:.2e}" for m in a.modes), file=sys.stderr, flush=True)
+            set_grads(model, exact.float())  # every mode sees the fp32 trajectory
+            trainer.clip_grads(model, args.grad_clip)
+            opt.step()
+        if rank == 0:
+            with open(result_path, "w") as f:
+                json.dump({"rows": rows, "parameters": numel, "train_time_s": time.perf_counter() - t0,
+                           "config": {m: configs[m].to_dict() for m in a.modes}, "task_info": task.info,
+                           "trainer_args": {k: v for k, v in vars(args).items() if k != "log_json"}}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, modes = result["rows"], result["modes"]
+    colors = {"fp8-e4m3": "tab:red", "fp8-e4m3-ef": "tab:purple", "fp8-e5m2": "tab:orange", "fp8-e5m2-ef": "tab:brown"}
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    x = [r["step"] for r in rows]
+    for m in modes:
+        ls = "-" if m.endswith("-ef") else "--"
+        ax.plot(x, [r[m]["drift"] for r in rows], ls, color=colors.get(m), label=m)
+        ax2.plot(x, [r[m]["step_error"] for r in rows], ls, color=colors.get(m), label=m, lw=0.8)
+    ax.set_yscale("log")
+    ax.set_ylabel("||sum of errors|| / ||sum of exact means||")
+    ax.set_title(f"{result['task']}, world {result['world']}: FP8 all-reduce error along the fp32 trajectory",
+                 fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax2.set_yscale("log")
+    ax2.set_ylabel("per-step relative error")
+    ax2.set_xlabel("optimizer step")
+    ax2.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
+    for name in ("steps", "world"):
+        if getattr(a, name) < 1:
+            raise SystemExit(f"--{name} must be >= 1, got {getattr(a, name)}")
+    out = os.path.abspath(a.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "result.json")
+        t0 = time.perf_counter()
+        mp.spawn(worker, args=(a, os.path.join(tmp, "store"), raw), nprocs=a.world, join=True)
+        with open(raw) as f:
+            result = json.load(f)
+    result.update(task=a.task, world=a.world, seed=a.seed, steps=a.steps, modes=a.modes,
+                  wall_time_s=time.perf_counter() - t0, torch_version=torch.__version__,
+                  command=" ".join(["python", "scripts/measure_error_feedback.py", *(argv if argv is not None
+                                                                                     else sys.argv[1:])]))
+    rows = result["rows"]
+    marks = sorted({min(len(rows), k) for k in (1, 10, 30, 100, 300, 1000, len(rows))})
+    summary = {m: {str(k): rows[k - 1][m]["drift"] for k in marks} for m in a.modes}
+    for m in a.modes:
+        plain = m[:-3] if m.endswith("-ef") else None
+        if plain in a.modes:
+            summary[m]["final_drift_vs_without_ef"] = rows[-1][m]["drift"] / rows[-1][plain]["drift"]
+        summary[m]["mean_step_error"] = sum(r[m]["step_error"] for r in rows) / len(rows)
+    result["summary"] = summary
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    png = os.path.splitext(out)[0] + ".png"
+    plot(result, png)
+    print(f"{a.task}, world {a.world}, {result['parameters']} parameters, {a.steps} steps on the fp32 trajectory "
+          f"({result['train_time_s']:.0f} s); drift = ||sum of errors|| / ||sum of exact means|| after N steps")
+    print(f"{'mode':<14}" + "".join(f"{'N=' + str(k):>11}" for k in marks) + f"{'mean step err':>15}{'drift/no-EF':>13}")
+    for m in a.modes:
+        s = summary[m]
+        ratio = s.get("final_drift_vs_without_ef")
+        print(f"{m:<14}" + "".join(f"{s[str(k)]:>11.2e}" for k in marks) + f"{s['mean_step_error']:>15.3e}"
+              + (f"{ratio:>13.3f}" if ratio is not None else f"{'—':>13}"))
+    print(f"wrote {os.path.relpath(out)} and {os.path.relpath(png)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
