@@ -17,6 +17,11 @@ pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 
 
+def run_script(*args):
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=REPO, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+
+
 def test_tiny_comparison_writes_schema_logs_and_plot(tmp_path):
     out = tmp_path / "results"
     proc = subprocess.run([sys.executable, SCRIPT, "--tasks", "digits", "--seeds", "0", "--steps-digits", "20",
@@ -58,3 +63,37 @@ def test_tiny_comparison_writes_schema_logs_and_plot(tmp_path):
     assert isinstance(s["error_feedback_at_least_as_close"], bool)
     assert (out / "convergence-digits.png").stat().st_size > 1000
     assert not (out / "convergence-charlm.png").exists()
+    assert data["summary"]["complete"] is True
+    pm = s["per_mode"]["fp8-e4m3"]
+    assert pm["seeds"] == [0] and pm["mean_abs_rel_diff"] == pytest.approx(abs(comps["fp8-e4m3"]["rel_diff"]))
+
+    # --resume reuses the three runs; the one new run (a same-seed fp32 rerun, two at a time) is
+    # bit-identical on CPU
+    proc = run_script("--tasks", "digits", "--seeds", "0", "--steps-digits", "20", "--jobs", "2",
+                      "--modes", "none-rerun", "fp8-e4m3", "fp8-e4m3-ef", "--out-dir", str(out), "--resume")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert proc.stdout.count("resumed from") == 3 and proc.stdout.count(": started") == 1
+    data2 = json.loads((out / "convergence.json").read_text())
+    assert [r["mode"] for r in data2["runs"]] == ["none", "none-rerun", "fp8-e4m3", "fp8-e4m3-ef"]
+    assert data2["runs"][0] == runs[0] and data2["runs"][2] == runs[1]
+    rerun = {c["mode"]: c for c in data2["summary"]["digits"]["comparisons"]}["none-rerun"]
+    assert rerun["rel_diff"] == 0.0 and rerun["grad_comm"] == "none"
+
+    # a changed run (other steps) is not resumed
+    proc = run_script("--tasks", "digits", "--seeds", "0", "--steps-digits", "10", "--modes", "none",
+                      "--out-dir", str(out), "--resume")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    assert "resumed from" not in proc.stdout
+
+
+def test_bad_arguments_and_failed_runs_are_reported(tmp_path):
+    proc = run_script("--seeds", "0", "1", "--compressed-seeds", "2", "--out-dir", str(tmp_path))
+    assert proc.returncode != 0 and "--compressed-seeds [2] have no fp32 run" in proc.stdout
+    proc = run_script("--jobs", "0", "--out-dir", str(tmp_path))
+    assert proc.returncode != 0 and "--jobs must be >= 1" in proc.stdout
+    # every run fails (the trainer rejects the block size): the script says which, and exits non-zero
+    proc = run_script("--tasks", "digits", "--seeds", "0", "--steps-digits", "5", "--modes", "none", "fp8-e4m3",
+                      "--jobs", "2", "--extra-args", "--fp8-block-size 7", "--out-dir", str(tmp_path))
+    assert proc.returncode != 0
+    assert "2 of 2 runs failed" in proc.stdout and "--fp8-block-size 7" in proc.stdout
+    assert json.loads((tmp_path / "convergence.json").read_text())["runs"] == []
