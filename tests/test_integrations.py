@@ -28,6 +28,17 @@ def _check(r: dict):
     assert r["accuracy"] > 0.85
 
 
+def _check_torchrun_example(script: str, cwd):
+    """Run ``examples/SCRIPT --cpu`` as 2 torchrun processes; the model must be DDP-wrapped and train."""
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        os.path.join(ROOT, "examples", script), "--cpu"],
+                       cwd=cwd, env=ENV, capture_output=True, text=True, timeout=280)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = _last_json(p.stdout)
+    assert r["wrapped"] == "DistributedDataParallel"
+    _check(r)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="lightning not installed (pip install lightning)")
 def test_lightning_strategy_trains_with_fp8(tmp_path):
@@ -40,26 +51,14 @@ def test_lightning_strategy_trains_with_fp8(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(importlib.util.find_spec("accelerate") is None, reason="accelerate not installed (pip install accelerate)")
 def test_accelerate_hook_trains_with_fp8(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        os.path.join(ROOT, "examples", "accelerate_fp8.py"), "--cpu"],
-                       cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=280)
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = _last_json(p.stdout)
-    assert r["wrapped"] == "DistributedDataParallel"
-    _check(r)
+    _check_torchrun_example("accelerate_fp8.py", tmp_path)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                     reason="transformers not installed (pip install transformers)")
 def test_transformers_trainer_callback_trains_with_fp8(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        os.path.join(ROOT, "examples", "transformers_trainer_fp8.py"), "--cpu"],
-                       cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=280)
-    assert p.returncode == 0, p.stderr[-3000:]
-    r = _last_json(p.stdout)
-    assert r["wrapped"] == "DistributedDataParallel"
-    _check(r)
+    _check_torchrun_example("transformers_trainer_fp8.py", tmp_path)
 
 
 def test_transformers_callback_without_ddp_registers_nothing(tmp_path, caplog):
