@@ -44,8 +44,14 @@ def fp8_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
 
     Register with ``ddp.register_comm_hook(FP8CommState(cfg), fp8_hook)`` or, better,
     :func:`register_ddp_hook` (which also binds parameter names). Returns a Future holding the
-    bucket's averaged 1-D tensor, as DDP's hook contract requires.
+    bucket's averaged 1-D tensor, as DDP's hook contract requires. Raises TypeError when called
+    per parameter with a ``(grad, param)`` tuple (compiled DDP's python reducer), which it does not
+    support.
     """
+    if isinstance(bucket, tuple):
+        raise TypeError("fp8_hook got a (grad, param) tuple: compiled DDP's python reducer calls comm hooks per "
+                        "parameter, which fp8_hook does not support (it compresses whole buckets); compile the "
+                        "model without torch._dynamo.config.optimize_ddp='python_reducer', or use eager DDP")
     flat = bucket.buffer()
 
     def layout_fn():

@@ -61,3 +61,15 @@ def test_from_env_bad_value_names_variable(var, value):
 def test_from_env_reads_os_environ(monkeypatch):
     monkeypatch.setenv("FP8_COMM_SCALING", "bucket")
     assert FP8CommConfig.from_env().scaling == "bucket"
+
+
+def test_fp8_hook_rejects_per_parameter_call():
+    """Compiled DDP's python reducer calls a comm hook with (grad, param): fp8_hook compresses whole
+    buckets, so it must refuse with an error that says why, not index into a tuple."""
+    import torch
+
+    from fp8_comm_hook import FP8CommState, fp8_hook
+    state = FP8CommState(FP8CommConfig())
+    with pytest.raises(TypeError, match=r"\(grad, param\) tuple"):
+        fp8_hook(state, (torch.zeros(3), torch.nn.Parameter(torch.zeros(3))))
+    assert state.step == 0
