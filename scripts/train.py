@@ -80,9 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="examples (digits) or sequences (charlm) per rank per step (default: digits %d, charlm %d)"
                         % (TASK_DEFAULTS["digits"]["batch_size"], TASK_DEFAULTS["charlm"]["batch_size"]))
     p.add_argument("--lr", type=float, default=None,
-                   help="peak AdamW learning rate (default: digits %g, charlm %g); linear warm-up, cosine to 10%%%%"
+                   help="peak AdamW learning rate (default: digits %g, charlm %g); linear warm-up, cosine to --lr-min-ratio"
                         % (TASK_DEFAULTS["digits"]["lr"], TASK_DEFAULTS["charlm"]["lr"]))
     p.add_argument("--lr-warmup-steps", type=int, default=None, help="default: 5%% of --steps")
+    p.add_argument("--lr-min-ratio", type=float, default=0.1,
+                   help="the cosine decay ends at this fraction of --lr, in [0, 1] (default 0.1)")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables (default 1.0)")
     p.add_argument("--eval-every", type=int, default=None, help="steps between evaluations (default 50)")
@@ -104,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--n-head", type=int, default=4)
     c.add_argument("--d-model", type=int, default=128)
     c.add_argument("--eval-windows", type=int, default=128,
-                   help="held-out windows per evaluation, evenly spaced over the held-out files (default 128)")
+                   help="held-out windows per evaluation, evenly spaced over the held-out files; 0: all of them "
+                        "(default 128)")
     add_cli_args(p)
     return p
 
@@ -119,6 +122,10 @@ def resolve_args(parser: argparse.ArgumentParser, argv=None):
     for k in ("steps", "batch_size", "eval_every"):
         if getattr(args, k) < 1:
             parser.error(f"--{k.replace('_', '-')} must be >= 1")
+    if not 0.0 <= args.lr_min_ratio <= 1.0:
+        parser.error(f"--lr-min-ratio must be in [0, 1], got {args.lr_min_ratio}")
+    if args.eval_windows < 0:
+        parser.error(f"--eval-windows must be >= 0 (0: every held-out window), got {args.eval_windows}")
     if args.dp != "ddp" and not hasattr(fp8_comm_hook, "register_fsdp_hook"):
         parser.error(f"--dp {args.dp} is not yet available: this fp8_comm_hook {fp8_comm_hook.__version__} has no "
                      "register_fsdp_hook (FSDP support is still being written); use --dp ddp")
@@ -326,7 +333,7 @@ class CharLMTask:
         total = (len(held) - 1) // T
         if total < 1:
             raise RuntimeError(f"held-out text ({len(held)} bytes) is shorter than --context {T}")
-        m = min(args.eval_windows, total)
+        m = min(args.eval_windows, total) if args.eval_windows else total
         starts = torch.tensor([(k * total // m) * T for k in range(m)])
         self.eval_starts = starts[rank::world]
         self.info.update(train_windows=self.n_windows, eval_windows=m)
@@ -437,11 +444,12 @@ def clip_grads(model, max_norm: float):
 
 # ---------------------------------------------------------------------------------------- main
 def lr_at(step: int, args) -> float:
-    """Linear warm-up over ``--lr-warmup-steps``, then cosine decay to 10% of ``--lr``."""
+    """Linear warm-up over ``--lr-warmup-steps``, then cosine decay to ``--lr-min-ratio`` of ``--lr``."""
     if step < args.lr_warmup_steps:
         return args.lr * (step + 1) / args.lr_warmup_steps
     t = (step - args.lr_warmup_steps) / max(1, args.steps - args.lr_warmup_steps)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+    floor = args.lr_min_ratio
+    return args.lr * (floor + (1.0 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
 def evaluate(task, model, step: int) -> dict:

@@ -223,10 +223,47 @@ def test_train_digits_fp8(tmp_path):
 def test_train_charlm_bf16(tmp_path):
     rec, out = run_trainer(tmp_path, "--task", "charlm", "--steps", "10", "--eval-every", "10", "--grad-comm", "bf16",
                            "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--context", "32",
-                           "--batch-size", "8", "--lr", "1e-2", "--corpus-bytes", "200000", "--eval-windows", "16")
+                           "--batch-size", "8", "--lr", "1e-2", "--corpus-bytes", "200000", "--eval-windows", "0",
+                           "--lr-min-ratio", "0")
     s = rec["summary"]
+    # --eval-windows 0: every held-out window of 32 bytes (+1 target byte) is evaluated
+    assert s["data"]["eval_windows"] == (s["data"]["eval_bytes"] - 1) // 32 > 16
     assert s["final_eval_loss"] < s["initial_eval_loss"] - 0.5
     assert rec["steps"][-1]["loss"] < rec["steps"][0]["loss"]
     assert s["final_accuracy"] is None and s["fp8_config"] is None
     assert s["bytes_sent"] * 2 == s["bytes_baseline"]  # bf16 ring all-reduce against fp32
     assert s["data"]["held_out_files"] >= 1 and len(s["data"]["sha256"]) == 64
+
+
+def _train_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("train_script", TRAIN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_lr_schedule_warmup_cosine_and_floor():
+    """Linear warm-up to --lr, cosine down to --lr-min-ratio * --lr at the last step, exactly."""
+    train = _train_module()
+    for floor in (0.0, 0.1, 1.0):
+        args = argparse.Namespace(lr=2e-3, lr_warmup_steps=10, steps=110, lr_min_ratio=floor)
+        assert train.lr_at(0, args) == pytest.approx(2e-4)
+        assert train.lr_at(9, args) == pytest.approx(2e-3)
+        assert train.lr_at(10, args) == pytest.approx(2e-3)
+        assert train.lr_at(60, args) == pytest.approx(2e-3 * (floor + (1 - floor) * 0.5))  # half-way
+        assert train.lr_at(110, args) == pytest.approx(2e-3 * floor, abs=1e-15)
+        lrs = [train.lr_at(k, args) for k in range(10, 111)]
+        assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lr-min-ratio", "1.5"], "--lr-min-ratio must be in [0, 1], got 1.5"),
+    (["--lr-min-ratio", "-0.1"], "--lr-min-ratio must be in [0, 1]"),
+    (["--task", "charlm", "--eval-windows", "-1"], "--eval-windows must be >= 0"),
+])
+def test_trainer_schedule_and_eval_argument_errors(argv, message, capsys):
+    train = _train_module()
+    with pytest.raises(SystemExit) as e:
+        train.resolve_args(train.build_parser(), argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

@@ -97,3 +97,30 @@ def test_bad_arguments_and_failed_runs_are_reported(tmp_path):
     assert proc.returncode != 0
     assert "2 of 2 runs failed" in proc.stdout and "--fp8-block-size 7" in proc.stdout
     assert json.loads((tmp_path / "convergence.json").read_text())["runs"] == []
+
+
+def test_task_args_reach_only_their_task_and_key_resume(tmp_path):
+    """--charlm-args go to charlm runs (last the shared --extra-args), are recorded, and are part of
+    what --resume matches: the same run with other task args is run again."""
+    args = ["--tasks", "charlm", "--seeds", "0", "--modes", "none", "--steps-charlm", "3", "--eval-every-charlm", "3",
+            "--device", "cpu", "--out-dir", str(tmp_path), "--extra-args", "--n-layer 1 --d-model 32 --n-head 2"]
+    task_args = "--corpus-bytes 200000 --context 32 --eval-windows 0 --lr-min-ratio 0"
+    proc = run_script(*args, "--charlm-args", task_args)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    data = json.loads((tmp_path / "convergence.json").read_text())
+    want = task_args.split() + ["--n-layer", "1", "--d-model", "32", "--n-head", "2"]
+    assert data["summary"]["trainer_task_args"] == {"charlm": want}
+    record = json.loads((tmp_path / "convergence-logs" / "charlm-none-seed0.json").read_text())
+    assert record["comparison_run"]["extra_args"] == want
+    a = record["args"]
+    assert (a["corpus_bytes"], a["context"], a["eval_windows"], a["lr_min_ratio"], a["d_model"]) == (
+        200000, 32, 0, 0.0, 32)
+    data_info = record["summary"]["data"]
+    assert data_info["eval_windows"] == (data_info["eval_bytes"] - 1) // 32
+    assert record["steps"][-1]["lr"] < record["steps"][0]["lr"]
+
+    proc = run_script(*args, "--charlm-args", task_args, "--resume")
+    assert proc.returncode == 0 and proc.stdout.count("resumed from") == 1, proc.stdout[-4000:]
+    proc = run_script(*args, "--charlm-args", task_args.replace("--lr-min-ratio 0", "--lr-min-ratio 0.5"),
+                      "--resume")
+    assert proc.returncode == 0 and "resumed from" not in proc.stdout, proc.stdout[-4000:]
