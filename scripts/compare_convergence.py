@@ -9,8 +9,9 @@ For each task it runs torchrun worlds of 2 (``OMP_NUM_THREADS=1``; ``--jobs`` of
   none          ``--grad-comm none`` (fp32 all-reduce), once per ``--seeds`` (default 0 1 2): the
                 seed-to-seed spread is the yardstick for every other difference
   none-rerun    ``--grad-comm none`` again (``--compressed-seeds``; only with ``--modes none-rerun``): the
-                same-seed fp32 rerun, bit-identical on CPU, not on GPU (nondeterministic kernels), so
-                it measures how far two fp32 runs of one seed drift apart there
+                same-seed fp32 rerun: bit-identical on CPU and, measured, on one H200 with the
+                ranks sharing it over gloo; where kernels are nondeterministic it measures how far
+                two fp32 runs of one seed drift apart
   bf16          ``--grad-comm bf16``                              (``--compressed-seeds``)
   fp8-e4m3      ``--grad-comm fp8``                               (``--compressed-seeds``)
   fp8-e5m2      ``--grad-comm fp8 --fp8-format e5m2``             (``--compressed-seeds``)
@@ -25,9 +26,10 @@ log, and a summary: the spread of the ``none`` seeds and each compressed run's r
 the ``none`` run of the same seed, within 1% or not), one PNG per task (``OUT/convergence-TASK.png``:
 eval loss against step, and each run's relative difference to the fp32 curve of its seed) and prints
 a table.
-The per-step logs go to ``--log-dir`` (thinned to every Nth training step if one exceeds 300 KB).
+Every run of a task gets that task's ``--digits-args`` / ``--charlm-args`` (see ``TASK_ARGS``), then
+``--extra-args``. The per-step logs go to ``--log-dir`` (thinned to every Nth training step if one exceeds 300 KB).
 
-    python scripts/compare_convergence.py                       # the full comparison (~20 min on 2 CPU cores)
+    python scripts/compare_convergence.py                       # the default comparison, 14 runs on the CPU
     python scripts/compare_convergence.py --tasks digits --seeds 0 --steps-digits 20 --out-dir /tmp/cc
     python scripts/compare_convergence.py --device cuda --jobs 6 --seeds 0 1 2 3 --compressed-seeds 0 1 2 3
 """
