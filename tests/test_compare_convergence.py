@@ -99,7 +99,7 @@ def test_bad_arguments_and_failed_runs_are_reported(tmp_path):
     assert json.loads((tmp_path / "convergence.json").read_text())["runs"] == []
 
 
-def test_task_args_reach_only_their_task_and_key_resume(tmp_path):
+def test_charlm_args_reach_its_runs_and_key_resume(tmp_path):
     """--charlm-args go to charlm runs (last the shared --extra-args), are recorded, and are part of
     what --resume matches: the same run with other task args is run again."""
     args = ["--tasks", "charlm", "--seeds", "0", "--modes", "none", "--steps-charlm", "3", "--eval-every-charlm", "3",
