@@ -10,9 +10,11 @@ Tasks:
           80/20 train/held-out split (the same for every seed), features standardized with the
           training set's statistics.
   charlm  a small GPT-style causal transformer over bytes, trained on the Python standard library's
-          own source: the ``*.py`` files directly in ``sysconfig.get_paths()["stdlib"]`` of the
-          running interpreter (not site-packages, no subdirectories), in sorted order, up to
-          ``--corpus-bytes``; every 10th file goes to the held-out set. The corpus differs between
+          own source: the ``*.py`` files in ``sysconfig.get_paths()["stdlib"]`` of the running
+          interpreter, in sorted order, up to ``--corpus-bytes``; every 10th file goes to the held-out
+          set. ``--corpus-files top`` (default) reads the files directly in that directory;
+          ``tree`` reads its packages too (sorted by relative path), without site-packages and the
+          test packages, which some distributions ship separately. The corpus differs between
           Python versions: compare runs only within one Python version (the summary records the
           version and the corpus's sha256).
 
@@ -64,6 +66,10 @@ SPLIT_SEED = 20240607       # the digits train/held-out split: fixed, independen
 DIGITS_HELD_OUT = 0.2
 EVAL_FILE_EVERY = 10        # charlm: every 10th corpus file is held out
 EVAL_BATCH = 64
+CORPUS_FILES = ("top", "tree")
+#: directories ``--corpus-files tree`` skips: installed packages, bytecode, and the test suites that
+#: some distributions split into a separate package (so the corpus would depend on what is installed)
+CORPUS_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
 
 
 # ---------------------------------------------------------------------------------------- arguments
@@ -101,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--hidden", type=int, default=256, help="MLP hidden width (default 256)")
     c = p.add_argument_group("charlm")
     c.add_argument("--corpus-bytes", type=int, default=2_000_000, help="stdlib bytes to read (default 2000000)")
+    c.add_argument("--corpus-files", choices=CORPUS_FILES, default="top",
+                   help="top: the *.py files directly in the stdlib directory (default); tree: its packages "
+                        "too, without site-packages and test packages")
     c.add_argument("--context", type=int, default=128, help="sequence length in bytes (default 128)")
     c.add_argument("--n-layer", type=int, default=4)
     c.add_argument("--n-head", type=int, default=4)
@@ -182,20 +191,38 @@ def load_digits_split(device):
     return x[tr].to(device), y[tr].to(device), x[ev].to(device), y[ev].to(device)
 
 
-def load_stdlib_corpus(max_bytes: int):
-    """The charlm corpus: ``*.py`` files directly in this interpreter's stdlib directory, sorted by
-    name, read in order until ``max_bytes`` (the last file cut short); file i goes to the held-out
-    set when i % 10 == 9 (the last file when fewer than 10). Returns (train uint8 tensor, eval uint8
-    tensor, info dict with the Python version, file counts and a sha256 of the corpus)."""
+def stdlib_source_files(root: str, files: str = "top") -> list:
+    """The ``*.py`` files of the charlm corpus under ``root``, as sorted ``/``-separated paths relative
+    to it: those directly in ``root`` (``files="top"``) or in its whole tree (``"tree"``, skipping
+    :data:`CORPUS_SKIP_DIRS` at any depth)."""
+    if files not in CORPUS_FILES:
+        raise ValueError(f"files must be one of {CORPUS_FILES}, got {files!r}")
+    if files == "top":
+        return sorted(f for f in os.listdir(root) if f.endswith(".py") and os.path.isfile(os.path.join(root, f)))
+    found = []
+    for d, dirs, names in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in CORPUS_SKIP_DIRS]
+        rel = os.path.relpath(d, root)
+        for f in names:
+            if f.endswith(".py"):
+                found.append(f if rel == "." else "/".join(rel.split(os.sep) + [f]))
+    return sorted(found)
+
+
+def load_stdlib_corpus(max_bytes: int, files: str = "top"):
+    """The charlm corpus: the :func:`stdlib_source_files` of this interpreter's stdlib directory,
+    read in order until ``max_bytes`` (the last file cut short); file i goes to the held-out set when
+    i % 10 == 9 (the last file when fewer than 10). Returns (train uint8 tensor, eval uint8 tensor,
+    info dict with the Python version, file counts and a sha256 of the corpus)."""
     root = sysconfig.get_paths()["stdlib"]
-    names = sorted(f for f in os.listdir(root) if f.endswith(".py") and os.path.isfile(os.path.join(root, f)))
+    names = stdlib_source_files(root, files)
     if not names:
         raise RuntimeError(f"no *.py files in the stdlib directory {root!r} (a zipped stdlib?); charlm needs them")
     chunks, total = [], 0
     for name in names:
         if total >= max_bytes:
             break
-        with open(os.path.join(root, name), "rb") as f:
+        with open(os.path.join(root, *name.split("/")), "rb") as f:
             data = f.read(max_bytes - total)
         chunks.append((name, data))
         total += len(data)
@@ -208,7 +235,7 @@ def load_stdlib_corpus(max_bytes: int):
     train = b"".join(d for i, (_, d) in enumerate(chunks) if i not in eval_idx)
     held = b"".join(d for i, (_, d) in enumerate(chunks) if i in eval_idx)
     as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).clone()  # noqa: E731
-    info = {"python_version": sys.version.split()[0], "stdlib_files": len(chunks), "held_out_files": len(eval_idx),
+    info = {"python_version": sys.version.split()[0], "corpus_files": files, "stdlib_files": len(chunks), "held_out_files": len(eval_idx),
             "train_bytes": len(train), "eval_bytes": len(held), "sha256": digest.hexdigest()}
     return as_tensor(train), as_tensor(held), info
 
@@ -325,7 +352,7 @@ class CharLMTask:
     has_accuracy = False
 
     def __init__(self, args, device, rank, world):
-        train, held, self.info = load_stdlib_corpus(args.corpus_bytes)
+        train, held, self.info = load_stdlib_corpus(args.corpus_bytes, args.corpus_files)
         T = args.context
         self.n_windows = (len(train) - 1) // T
         self.train, self.held, self.T, self.device = train.to(device), held.to(device), T, device

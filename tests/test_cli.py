@@ -267,3 +267,34 @@ def test_trainer_schedule_and_eval_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         train.resolve_args(train.build_parser(), argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_stdlib_source_files_top_and_tree(tmp_path):
+    """top: *.py directly in the root; tree: every package too, sorted by '/'-joined relative path,
+    with site-packages, __pycache__ and test packages left out at any depth."""
+    train = _train_module()
+    files = ["b.py", "a.py", "notes.txt", "pkg/__init__.py", "pkg/z.py", "pkg/sub/m.py", "pkg/tests/t.py",
+             "test/test_x.py", "site-packages/x.py", "pkg/__pycache__/z.py", "idlelib/idle_test/i.py", "idlelib/e.py"]
+    for f in files:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("x = 1\n")
+    assert train.stdlib_source_files(str(tmp_path), "top") == ["a.py", "b.py"]
+    assert train.stdlib_source_files(str(tmp_path), "tree") == [
+        "a.py", "b.py", "idlelib/e.py", "pkg/__init__.py", "pkg/sub/m.py", "pkg/z.py"]
+    with pytest.raises(ValueError, match="files must be one of"):
+        train.stdlib_source_files(str(tmp_path), "all")
+
+
+def test_stdlib_corpus_tree_extends_top():
+    """The tree corpus of this interpreter holds more files than the top-level one, the top-level
+    corpus is the default, and
+    both split every 10th file off as held-out text."""
+    train = _train_module()
+    tr_top, ev_top, top = train.load_stdlib_corpus(50_000_000, "top")
+    tr_tree, ev_tree, tree = train.load_stdlib_corpus(50_000_000, "tree")
+    assert tree["stdlib_files"] > top["stdlib_files"] and tree["train_bytes"] > top["train_bytes"]
+    assert (top["corpus_files"], tree["corpus_files"]) == ("top", "tree")
+    for info, tr, ev in ((top, tr_top, ev_top), (tree, tr_tree, ev_tree)):
+        assert info["held_out_files"] == info["stdlib_files"] // 10
+        assert (len(tr), len(ev)) == (info["train_bytes"], info["eval_bytes"])
+    assert top["sha256"] == train.load_stdlib_corpus(50_000_000)[2]["sha256"]
