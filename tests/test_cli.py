@@ -287,8 +287,7 @@ def test_stdlib_source_files_top_and_tree(tmp_path):
 
 def test_stdlib_corpus_tree_extends_top():
     """The tree corpus of this interpreter holds more files than the top-level one, the top-level
-    corpus is the default, and
-    both split every 10th file off as held-out text."""
+    corpus is the default, and both split every 10th file off as held-out text."""
     train = _train_module()
     tr_top, ev_top, top = train.load_stdlib_corpus(50_000_000, "top")
     tr_tree, ev_tree, tree = train.load_stdlib_corpus(50_000_000, "tree")
