@@ -236,7 +236,8 @@ def load_stdlib_corpus(max_bytes: int, files: str = "top"):
     held = b"".join(d for i, (_, d) in enumerate(chunks) if i in eval_idx)
     as_tensor = lambda b: torch.frombuffer(bytearray(b), dtype=torch.uint8).clone()  # noqa: E731
     info = {"python_version": sys.version.split()[0], "corpus_files": files, "stdlib_files": len(chunks),
-            "held_out_files": len(eval_idx), "train_bytes": len(train), "eval_bytes": len(held), "sha256": digest.hexdigest()}
+            "held_out_files": len(eval_idx), "train_bytes": len(train), "eval_bytes": len(held),
+            "sha256": digest.hexdigest()}
     return as_tensor(train), as_tensor(held), info
 
 
