@@ -82,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer steps (default: digits %(d)d, charlm %(c)d)" % {
                        "d": TASK_DEFAULTS["digits"]["steps"], "c": TASK_DEFAULTS["charlm"]["steps"]})
     p.add_argument("--seed", type=int, default=0, help="model init and data order (default 0)")
+    p.add_argument("--init-perturbation", type=float, default=0.0, metavar="REL",
+                   help="multiply every initial weight by 1 + REL*z, z ~ N(0, 1) drawn with "
+                        "--init-perturbation-seed: a run of the same seed that starts a hair away, to measure how "
+                        "far training's own chaos carries two runs apart (default 0: off)")
+    p.add_argument("--init-perturbation-seed", type=int, default=1,
+                   help="seed of the perturbation's z (default 1); the data order and init stay --seed's")
     p.add_argument("--batch-size", type=int, default=None,
                    help="examples (digits) or sequences (charlm) per rank per step (default: digits %d, charlm %d)"
                         % (TASK_DEFAULTS["digits"]["batch_size"], TASK_DEFAULTS["charlm"]["batch_size"]))
@@ -133,6 +139,8 @@ def resolve_args(parser: argparse.ArgumentParser, argv=None):
             parser.error(f"--{k.replace('_', '-')} must be >= 1")
     if not 0.0 <= args.lr_min_ratio <= 1.0:
         parser.error(f"--lr-min-ratio must be in [0, 1], got {args.lr_min_ratio}")
+    if not (math.isfinite(args.init_perturbation) and args.init_perturbation >= 0):
+        parser.error(f"--init-perturbation must be a finite number >= 0, got {args.init_perturbation}")
     if args.eval_windows < 0:
         parser.error(f"--eval-windows must be >= 0 (0: every held-out window), got {args.eval_windows}")
     if args.dp != "ddp" and not hasattr(fp8_comm_hook, "register_fsdp_hook"):
@@ -480,6 +488,25 @@ def lr_at(step: int, args) -> float:
     return args.lr * (floor + (1.0 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
+def perturb_init(net: nn.Module, rel: float, seed: int) -> float:
+    """Multiply every floating-point parameter of ``net`` in place by ``1 + rel * z``, z standard
+    normal, drawn on the CPU from its own generator seeded with ``seed`` (the same numbers on every
+    rank and device; torch's global RNG is not touched). Returns the largest ``|rel * z|`` applied
+    (0.0, and ``net`` untouched, when ``rel`` is 0)."""
+    if rel == 0:
+        return 0.0
+    gen = torch.Generator().manual_seed(seed)
+    largest = 0.0
+    with torch.no_grad():
+        for p in net.parameters():
+            if not p.is_floating_point():
+                continue
+            z = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            p.copy_((p.detach().cpu().double() * (1 + rel * z)).to(p.dtype))
+            largest = max(largest, rel * z.abs().max().item())
+    return largest
+
+
 def evaluate(task, model, step: int) -> dict:
     """Held-out loss (and accuracy) over the full set: each rank its share, one SUM all-reduce."""
     model.eval()
@@ -520,7 +547,9 @@ def train(args, grad_comm, config, rank, world, backend, device) -> dict:
         if len(set(digests)) != 1:
             raise RuntimeError(f"ranks read different stdlib corpora (Python versions differ?): {digests}")
     torch.manual_seed(args.seed)
-    net = task.build_model().to(device)
+    net = task.build_model()
+    perturb_init(net, args.init_perturbation, args.init_perturbation_seed)
+    net = net.to(device)
     numel = sum(p.numel() for p in net.parameters() if p.requires_grad)
     elem = next(net.parameters()).element_size()
     model, state, wire_dtype, collective = wrap_model(net, args, device, grad_comm, config)
@@ -576,6 +605,8 @@ def train(args, grad_comm, config, rank, world, backend, device) -> dict:
         "task": args.task, "grad_comm": grad_comm, "dp": args.dp, "backend": backend, "device": str(device),
         "world_size": world, "seed": args.seed, "steps": args.steps, "batch_size_per_rank": args.batch_size,
         "lr": args.lr, "parameters": numel,
+        "init_perturbation": ({"rel": args.init_perturbation, "seed": args.init_perturbation_seed}
+                              if args.init_perturbation else None),
         "initial_eval_loss": evals[0]["eval_loss"], "final_eval_loss": final["eval_loss"],
         "final_accuracy": final["accuracy"], "final_train_loss": sum(losses[-10:]) / len(losses[-10:]),
         "bytes_sent": sent, "bytes_baseline": baseline,
