@@ -13,10 +13,13 @@ For each task it runs torchrun worlds of 2 (``OMP_NUM_THREADS=1``; ``--jobs`` of
                 over gloo, 11 of 12 charlm seeds were bit-identical and one differed by 6e-9 in the
                 final loss (a nondeterministic GPU reduction): it measures how far two fp32 runs of
                 one seed drift apart
-  none-perturbed ``--grad-comm none --init-perturbation 1e-6`` (``--compressed-seeds``): fp32 again,
-                from initial weights nudged by 1e-6 relative (~8 float32 ulps, a thousand times below
-                bf16's rounding): how far the training's own chaos carries a same-seed run, the
-                yardstick for every compressed mode's per-seed difference
+  none-perturbed-init   ``--grad-comm none --init-perturbation 1e-6`` (``--compressed-seeds``): fp32
+                from initial weights nudged once by 1e-6 relative (~8 float32 ulps)
+  none-perturbed-grads  ``--grad-comm none --grad-perturbation 1e-6`` (``--compressed-seeds``): fp32
+                with every step's averaged gradient nudged by 1e-6 relative, about what summing in
+                another order does to an fp32 all-reduce. With none-perturbed-init, how far the
+                training's own chaos carries a same-seed fp32 run: the yardstick for every compressed
+                mode's per-seed difference (bf16 rounds by ~2e-3 per step, FP8 by ~3e-2)
   bf16          ``--grad-comm bf16``                              (``--compressed-seeds``)
   fp8-e4m3      ``--grad-comm fp8``                               (``--compressed-seeds``)
   fp8-e5m2      ``--grad-comm fp8 --fp8-format e5m2``             (``--compressed-seeds``)
@@ -34,7 +37,7 @@ a table.
 Every run of a task gets that task's ``--digits-args`` / ``--charlm-args`` (see ``TASK_ARGS``), then
 ``--extra-args``. The per-step logs go to ``--log-dir`` (thinned to every Nth training step if one exceeds 300 KB).
 
-    python scripts/compare_convergence.py                       # the default comparison, 16 runs on the CPU
+    python scripts/compare_convergence.py                       # the default comparison, 18 runs on the CPU
     python scripts/compare_convergence.py --tasks digits --seeds 0 --steps-digits 20 --out-dir /tmp/cc
     python scripts/compare_convergence.py --device cuda --jobs 6 --seeds 0 1 2 3 --compressed-seeds 0 1 2 3
 """
@@ -63,13 +66,14 @@ WITHIN = 0.01   # the bar: |final eval loss / fp32's - 1| <= 1%
 TASK_ARGS = {"digits": "", "charlm": "--corpus-files tree --corpus-bytes 30000000 --batch-size 32 --lr-min-ratio 0 "
                                      "--eval-windows 4096"}
 
-#: none-perturbed's relative nudge of the initial weights (see the module docstring)
-INIT_PERTURBATION = 1e-6
+#: the relative nudge of the none-perturbed-* modes (see the module docstring)
+PERTURBATION = 1e-6
 #: mode name -> (grad_comm, extra trainer flags)
 MODES = {
     "none": ("none", []),
     "none-rerun": ("none", []),
-    "none-perturbed": ("none", ["--init-perturbation", repr(INIT_PERTURBATION)]),
+    "none-perturbed-init": ("none", ["--init-perturbation", repr(PERTURBATION)]),
+    "none-perturbed-grads": ("none", ["--grad-perturbation", repr(PERTURBATION)]),
     "bf16": ("bf16", []),
     "fp8-e4m3": ("fp8", ["--fp8-format", "e4m3"]),
     "fp8-e5m2": ("fp8", ["--fp8-format", "e5m2"]),
@@ -293,8 +297,8 @@ def plot(task, runs, records, path):
     rows = [r for r in rows if r["seed"] in nones]
     ref_row = nones[min(nones)]
     curve = {seed: {e["step"]: e["eval_loss"] for e in records[r["log"]]["evals"]} for seed, r in nones.items()}
-    colors = {"none-rerun": "tab:gray", "none-perturbed": "tab:brown", "bf16": "tab:green", "fp8-e4m3": "tab:red",
-              "fp8-e5m2": "tab:orange", "fp8-e4m3-ef": "tab:purple"}
+    colors = {"none-rerun": "tab:gray", "none-perturbed-init": "tab:brown", "none-perturbed-grads": "tab:olive",
+              "bf16": "tab:green", "fp8-e4m3": "tab:red", "fp8-e5m2": "tab:orange", "fp8-e4m3-ef": "tab:purple"}
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     labelled = set()
     for r in rows:
@@ -463,7 +467,7 @@ def main(argv=None):
               f"{s.get('error_feedback_at_least_as_close')}, on mean |diff| "
               f"{s.get('error_feedback_mean_abs_at_least_as_close')}")
         for mode, m in s["per_mode"].items():
-            print(f"    {mode:14s} seeds {m['seeds']}: mean diff {100 * m['mean_rel_diff']:+.2f}%, mean |diff| "
+            print(f"    {mode:20s} seeds {m['seeds']}: mean diff {100 * m['mean_rel_diff']:+.2f}%, mean |diff| "
                   f"{100 * m['mean_abs_rel_diff']:.2f}%, max |diff| {100 * m['max_abs_rel_diff']:.2f}%, within 1% "
                   f"{m['within_1pct']}/{len(m['seeds'])}")
     print(f"total wall time {total / 60:.1f} min; wrote {rel_to_repo(os.path.join(out_dir, 'convergence.json'))}")

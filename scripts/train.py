@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "far training's own chaos carries two runs apart (default 0: off)")
     p.add_argument("--init-perturbation-seed", type=int, default=1,
                    help="seed of the perturbation's z (default 1); the data order and init stay --seed's")
+    p.add_argument("--grad-perturbation", type=float, default=0.0, metavar="REL",
+                   help="after every step's gradient communication, multiply each gradient by 1 + REL*z, z ~ N(0, 1) "
+                        "drawn alike on every rank from --grad-perturbation-seed: about what a reduction in another "
+                        "order does to an fp32 all-reduce at 1e-6 (--dp ddp only; default 0: off)")
+    p.add_argument("--grad-perturbation-seed", type=int, default=1, help="seed of the gradient perturbation (default 1)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="examples (digits) or sequences (charlm) per rank per step (default: digits %d, charlm %d)"
                         % (TASK_DEFAULTS["digits"]["batch_size"], TASK_DEFAULTS["charlm"]["batch_size"]))
@@ -139,8 +144,12 @@ def resolve_args(parser: argparse.ArgumentParser, argv=None):
             parser.error(f"--{k.replace('_', '-')} must be >= 1")
     if not 0.0 <= args.lr_min_ratio <= 1.0:
         parser.error(f"--lr-min-ratio must be in [0, 1], got {args.lr_min_ratio}")
-    if not (math.isfinite(args.init_perturbation) and args.init_perturbation >= 0):
-        parser.error(f"--init-perturbation must be a finite number >= 0, got {args.init_perturbation}")
+    for flag in ("init_perturbation", "grad_perturbation"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value >= 0):
+            parser.error(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if args.grad_perturbation and args.dp != "ddp":
+        parser.error(f"--grad-perturbation needs --dp ddp (each rank perturbs its full gradient alike), got --dp {args.dp}")
     if args.eval_windows < 0:
         parser.error(f"--eval-windows must be >= 0 (0: every held-out window), got {args.eval_windows}")
     if args.dp != "ddp" and not hasattr(fp8_comm_hook, "register_fsdp_hook"):
@@ -507,6 +516,17 @@ def perturb_init(net: nn.Module, rel: float, seed: int) -> float:
     return largest
 
 
+def perturb_grads(model: nn.Module, rel: float, gen: torch.Generator) -> None:
+    """Multiply every gradient of ``model`` in place by ``1 + rel * z``, z standard normal (fp32)
+    drawn from ``gen`` on the gradients' device, parameter by parameter: seeded alike on every rank,
+    it keeps DDP's replicas identical."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                z = torch.randn(p.grad.shape, generator=gen, device=p.grad.device, dtype=p.grad.dtype)
+                p.grad.addcmul_(p.grad, z, value=rel)
+
+
 def evaluate(task, model, step: int) -> dict:
     """Held-out loss (and accuracy) over the full set: each rank its share, one SUM all-reduce."""
     model.eval()
@@ -565,6 +585,8 @@ def train(args, grad_comm, config, rank, world, backend, device) -> dict:
         except ImportError:
             pass
     losses = torch.zeros(args.steps, dtype=torch.float64, device=device)
+    grad_gen = (torch.Generator(device=device).manual_seed(args.grad_perturbation_seed)
+                if args.grad_perturbation else None)
     lrs, evals = [], [evaluate(task, model, 0)]
     t0 = time.perf_counter()
     for step in range(args.steps):
@@ -575,6 +597,8 @@ def train(args, grad_comm, config, rank, world, backend, device) -> dict:
         loss = task.loss(model, step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if grad_gen is not None:
+            perturb_grads(model, args.grad_perturbation, grad_gen)
         clip_grads(model, args.grad_clip)
         opt.step()
         losses[step] = loss.detach().double()
@@ -607,6 +631,8 @@ def train(args, grad_comm, config, rank, world, backend, device) -> dict:
         "lr": args.lr, "parameters": numel,
         "init_perturbation": ({"rel": args.init_perturbation, "seed": args.init_perturbation_seed}
                               if args.init_perturbation else None),
+        "grad_perturbation": ({"rel": args.grad_perturbation, "seed": args.grad_perturbation_seed}
+                              if args.grad_perturbation else None),
         "initial_eval_loss": evals[0]["eval_loss"], "final_eval_loss": final["eval_loss"],
         "final_accuracy": final["accuracy"], "final_train_loss": sum(losses[-10:]) / len(losses[-10:]),
         "bytes_sent": sent, "bytes_baseline": baseline,

@@ -263,6 +263,7 @@ def test_lr_schedule_warmup_cosine_and_floor():
     (["--task", "charlm", "--eval-windows", "-1"], "--eval-windows must be >= 0"),
     (["--init-perturbation=-1e-6"], "--init-perturbation must be a finite number >= 0, got -1e-06"),
     (["--init-perturbation", "nan"], "--init-perturbation must be a finite number >= 0, got nan"),
+    (["--grad-perturbation", "inf"], "--grad-perturbation must be a finite number >= 0, got inf"),
 ])
 def test_trainer_schedule_and_eval_argument_errors(argv, message, capsys):
     train = _train_module()
@@ -297,6 +298,36 @@ def test_perturb_init_nudges_weights_by_the_asked_relative_amount():
     net.load_state_dict(start)
     train.perturb_init(net, 1e-3, 2)
     assert not torch.equal(net.state_dict()["0.weight"], after["0.weight"])
+
+
+def test_perturb_grads_nudges_every_gradient_alike_on_every_rank():
+    """Each gradient moves by rel * z: relative changes with mean ~0 and std ~rel; two generators
+    with one seed (two ranks) give bit-identical gradients; parameters without a gradient are skipped."""
+    train = _train_module()
+    torch.manual_seed(5)
+    net = torch.nn.Sequential(torch.nn.Linear(96, 96), torch.nn.Linear(96, 96, bias=False), torch.nn.Linear(96, 2))
+    net(torch.randn(8, 96)).square().sum().backward()
+    net[2].weight.grad = None
+    start = [None if p.grad is None else p.grad.clone() for p in net.parameters()]
+    train.perturb_grads(net, 1e-3, torch.Generator().manual_seed(1))
+    after = [None if p.grad is None else p.grad.clone() for p in net.parameters()]
+    assert after[3] is None
+    rel = torch.cat([(a.double() / s.double() - 1).flatten() for a, s in zip(after, start) if a is not None]) / 1e-3
+    assert rel.numel() == 2 * 96 * 96 + 96 + 2
+    assert abs(rel.mean().item()) < 0.03 and rel.std().item() == pytest.approx(1.0, rel=0.03)
+    for p, s in zip(net.parameters(), start):
+        p.grad = None if s is None else s.clone()
+    train.perturb_grads(net, 1e-3, torch.Generator().manual_seed(1))
+    assert all((p.grad is None and a is None) or torch.equal(p.grad, a) for p, a in zip(net.parameters(), after))
+
+
+def test_grad_perturbation_needs_ddp(capsys):
+    train = _train_module()
+    if not hasattr(train.fp8_comm_hook, "register_fsdp_hook"):
+        pytest.skip("this fp8_comm_hook has no register_fsdp_hook, so --dp fsdp2 is refused for that first")
+    with pytest.raises(SystemExit) as e:
+        train.resolve_args(train.build_parser(), ["--dp", "fsdp2", "--grad-perturbation", "1e-6"])
+    assert e.value.code == 2 and "--grad-perturbation needs --dp ddp" in capsys.readouterr().err
 
 
 def test_stdlib_source_files_top_and_tree(tmp_path):
