@@ -299,7 +299,11 @@ def plot(task, runs, records, path):
     curve = {seed: {e["step"]: e["eval_loss"] for e in records[r["log"]]["evals"]} for seed, r in nones.items()}
     colors = {"none-rerun": "tab:gray", "none-perturbed-init": "tab:brown", "none-perturbed-grads": "tab:olive",
               "bf16": "tab:green", "fp8-e4m3": "tab:red", "fp8-e5m2": "tab:orange", "fp8-e4m3-ef": "tab:purple"}
-    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(8, 7.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    modes = [m for m in MODES if m != "none" and any(r["mode"] == m for r in rows)]
+    fig = plt.figure(figsize=(8, 7.5 + (3 if modes else 0)))
+    grid = fig.add_gridspec(3 if modes else 2, 1, height_ratios=[3, 2, 2.2] if modes else [3, 2])
+    ax = fig.add_subplot(grid[0])
+    ax2 = fig.add_subplot(grid[1], sharex=ax)
     labelled = set()
     for r in rows:
         ev = records[r["log"]]["evals"]
@@ -339,9 +343,31 @@ def plot(task, runs, records, path):
             for e in records[r["log"]]["evals"] if e["step"] in curve[r["seed"]] and e["step"] >= steps[len(steps) // 2]]
     lim = max([1.5 * abs(v) for v in tail] + [1.5 * 100 * WITHIN])
     ax2.set_ylim(-lim, lim)
+    if modes:
+        final_diffs(fig.add_subplot(grid[2]), modes, rows, nones, colors)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def final_diffs(ax, modes, rows, nones, colors):
+    """One column per mode: each seed's final eval loss relative to fp32's of that seed (dots), their
+    mean (bar), and the 1% band: where the per-seed bar and the fp32 yardsticks can be read side by side."""
+    for i, mode in enumerate(modes):
+        d = [(r["seed"], 100 * (r["final_eval_loss"] / nones[r["seed"]]["final_eval_loss"] - 1))
+             for r in rows if r["mode"] == mode]
+        d.sort()
+        jitter = [i + 0.25 * (k / max(1, len(d) - 1) - 0.5) for k in range(len(d))]  # seeds left to right
+        ax.scatter(jitter, [v for _, v in d], s=14, color=colors.get(mode), zorder=3)
+        mean = statistics.fmean(v for _, v in d)
+        ax.plot([i - 0.2, i + 0.2], [mean, mean], color="black", lw=1.5, zorder=4)
+    ax.axhspan(-100 * WITHIN, 100 * WITHIN, color="tab:blue", alpha=0.08)
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xticks(range(len(modes)))
+    ax.set_xticklabels(modes, fontsize=8, rotation=15)
+    ax.set_ylabel("final, vs fp32 same seed (%)")
+    ax.set_title("final held-out loss per seed (dots, seeds in order) and mean (bar); band: ±1%", fontsize=9)
+    ax.grid(alpha=0.3, axis="y")
 
 
 def fmt_table(runs, summary):

@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after every step's gradient communication, multiply each gradient by 1 + REL*z, z ~ N(0, 1) "
                         "drawn alike on every rank from --grad-perturbation-seed: about what a reduction in another "
                         "order does to an fp32 all-reduce at 1e-6 (--dp ddp only; default 0: off)")
-    p.add_argument("--grad-perturbation-seed", type=int, default=1, help="seed of the gradient perturbation (default 1)")
+    p.add_argument("--grad-perturbation-seed", type=int, default=1,
+                   help="seed of the gradient perturbation (default 1)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="examples (digits) or sequences (charlm) per rank per step (default: digits %d, charlm %d)"
                         % (TASK_DEFAULTS["digits"]["batch_size"], TASK_DEFAULTS["charlm"]["batch_size"]))
@@ -149,7 +150,8 @@ def resolve_args(parser: argparse.ArgumentParser, argv=None):
         if not (math.isfinite(value) and value >= 0):
             parser.error(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
     if args.grad_perturbation and args.dp != "ddp":
-        parser.error(f"--grad-perturbation needs --dp ddp (each rank perturbs its full gradient alike), got --dp {args.dp}")
+        parser.error("--grad-perturbation needs --dp ddp (each rank perturbs its full gradient alike), "
+                     f"got --dp {args.dp}")
     if args.eval_windows < 0:
         parser.error(f"--eval-windows must be >= 0 (0: every held-out window), got {args.eval_windows}")
     if args.dp != "ddp" and not hasattr(fp8_comm_hook, "register_fsdp_hook"):
