@@ -287,7 +287,7 @@ def summarize(runs):
     return out
 
 
-def plot(task, runs, records, path):
+def plot(task, runs, records, path, comparisons):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -344,19 +344,18 @@ def plot(task, runs, records, path):
     lim = max([1.5 * abs(v) for v in tail] + [1.5 * 100 * WITHIN])
     ax2.set_ylim(-lim, lim)
     if modes:
-        final_diffs(fig.add_subplot(grid[2]), modes, rows, nones, colors)
+        final_diffs(fig.add_subplot(grid[2]), modes, comparisons, colors)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
-def final_diffs(ax, modes, rows, nones, colors):
-    """One column per mode: each seed's final eval loss relative to fp32's of that seed (dots), their
-    mean (bar), and the 1% band: where the per-seed bar and the fp32 yardsticks can be read side by side."""
+def final_diffs(ax, modes, comparisons, colors):
+    """One column per mode: each seed's final eval loss relative to fp32's of that seed (dots; the
+    ``rel_diff`` of :func:`summarize`'s comparisons), their mean (bar), and the 1% band: where the
+    per-seed bar and the fp32 yardsticks can be read side by side."""
     for i, mode in enumerate(modes):
-        d = [(r["seed"], 100 * (r["final_eval_loss"] / nones[r["seed"]]["final_eval_loss"] - 1))
-             for r in rows if r["mode"] == mode]
-        d.sort()
+        d = sorted((c["seed"], 100 * c["rel_diff"]) for c in comparisons if c["mode"] == mode)
         jitter = [i + 0.25 * (k / max(1, len(d) - 1) - 0.5) for k in range(len(d))]  # seeds left to right
         ax.scatter(jitter, [v for _, v in d], s=14, color=colors.get(mode), zorder=3)
         mean = statistics.fmean(v for _, v in d)
@@ -389,7 +388,8 @@ def write_results(runs, records, argv, extra, task_extra, a, out_dir, t_start, f
     summary = summarize(runs)
     if final:
         for task in summary:
-            plot(task, runs, records, os.path.join(out_dir, f"convergence-{task}.png"))
+            plot(task, runs, records, os.path.join(out_dir, f"convergence-{task}.png"),
+                 summary[task]["comparisons"])
     result = {
         "runs": runs,
         "summary": {
