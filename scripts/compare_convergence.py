@@ -20,6 +20,12 @@ For each task it runs torchrun worlds of 2 (``OMP_NUM_THREADS=1``; ``--jobs`` of
                 another order does to an fp32 all-reduce. With none-perturbed-init, how far the
                 training's own chaos carries a same-seed fp32 run: the yardstick for every compressed
                 mode's per-seed difference (bf16 rounds by ~2e-3 per step, FP8 by ~3e-2)
+  none-noised-grads-2e-3, none-noised-grads-3e-2   ``--grad-comm none --grad-perturbation 2e-3`` / ``3e-2``
+                (``--compressed-seeds``; only when named in ``--modes``): fp32 with unbiased gradient noise
+                as large as bf16's / FP8 E4M3's measured error of the averaged gradient (2.3e-3 / 3.3e-2
+                per step, ``scripts/measure_error_feedback.py --task charlm``): how far any gradient
+                error of that size carries a run, whatever its structure, so a compressed mode's
+                per-seed difference can be set against noise of its own size rather than a 1e-6 nudge
   bf16          ``--grad-comm bf16``                              (``--compressed-seeds``)
   fp8-e4m3      ``--grad-comm fp8``                               (``--compressed-seeds``)
   fp8-e5m2      ``--grad-comm fp8 --fp8-format e5m2``             (``--compressed-seeds``)
@@ -68,18 +74,24 @@ TASK_ARGS = {"digits": "", "charlm": "--corpus-files tree --corpus-bytes 3000000
 
 #: the relative nudge of the none-perturbed-* modes (see the module docstring)
 PERTURBATION = 1e-6
+#: relative gradient noise of the none-noised-grads-* modes: bf16's and FP8 E4M3's per-step error, rounded
+NOISE_BF16_SIZE, NOISE_FP8_SIZE = 2e-3, 3e-2
 #: mode name -> (grad_comm, extra trainer flags)
 MODES = {
     "none": ("none", []),
     "none-rerun": ("none", []),
     "none-perturbed-init": ("none", ["--init-perturbation", repr(PERTURBATION)]),
     "none-perturbed-grads": ("none", ["--grad-perturbation", repr(PERTURBATION)]),
+    "none-noised-grads-2e-3": ("none", ["--grad-perturbation", repr(NOISE_BF16_SIZE)]),
+    "none-noised-grads-3e-2": ("none", ["--grad-perturbation", repr(NOISE_FP8_SIZE)]),
     "bf16": ("bf16", []),
     "fp8-e4m3": ("fp8", ["--fp8-format", "e4m3"]),
     "fp8-e5m2": ("fp8", ["--fp8-format", "e5m2"]),
     "fp8-e4m3-ef": ("fp8", ["--fp8-format", "e4m3", "--fp8-error-feedback"]),
 }
 TASKS = ("digits", "charlm")
+#: diagnostics run only when named in --modes
+NOT_BY_DEFAULT = ("none-rerun", "none-noised-grads-2e-3", "none-noised-grads-3e-2")
 
 
 def build_parser():
@@ -89,8 +101,8 @@ def build_parser():
                    help="seeds of the fp32 (none) runs (default 0 1 2)")
     p.add_argument("--compressed-seeds", nargs="+", type=int, default=None,
                    help="seeds of the bf16 and fp8 runs, each a subset of --seeds (default: the first of --seeds)")
-    p.add_argument("--modes", nargs="+", choices=list(MODES), default=[m for m in MODES if m != "none-rerun"],
-                   help="modes to run (default: all); 'none' is always run")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=[m for m in MODES if m not in NOT_BY_DEFAULT],
+                   help=f"modes to run (default: all but {', '.join(NOT_BY_DEFAULT)}); 'none' is always run")
     p.add_argument("--steps-digits", type=int, default=300, help="optimizer steps for digits (default 300)")
     p.add_argument("--steps-charlm", type=int, default=600, help="optimizer steps for charlm (default 600)")
     p.add_argument("--eval-every-digits", type=int, default=10, help="steps between evaluations, digits (default 10)")
@@ -298,6 +310,7 @@ def plot(task, runs, records, path, comparisons):
     ref_row = nones[min(nones)]
     curve = {seed: {e["step"]: e["eval_loss"] for e in records[r["log"]]["evals"]} for seed, r in nones.items()}
     colors = {"none-rerun": "tab:gray", "none-perturbed-init": "tab:brown", "none-perturbed-grads": "tab:olive",
+              "none-noised-grads-2e-3": "tab:cyan", "none-noised-grads-3e-2": "tab:pink",
               "bf16": "tab:green", "fp8-e4m3": "tab:red", "fp8-e5m2": "tab:orange", "fp8-e4m3-ef": "tab:purple"}
     modes = [m for m in MODES if m != "none" and any(r["mode"] == m for r in rows)]
     fig = plt.figure(figsize=(8, 7.5 + (3 if modes else 0)))

@@ -67,18 +67,18 @@ def test_tiny_comparison_writes_schema_logs_and_plot(tmp_path):
     pm = s["per_mode"]["fp8-e4m3"]
     assert pm["seeds"] == [0] and pm["mean_abs_rel_diff"] == pytest.approx(abs(comps["fp8-e4m3"]["rel_diff"]))
 
-    # --resume reuses the three runs; of the three new ones (two at a time) the same-seed fp32 rerun
-    # is bit-identical on CPU, and the fp32 runs from nudged initial weights and with nudged
-    # gradients land a little away
+    # --resume reuses the three runs; of the four new ones (two at a time) the same-seed fp32 rerun
+    # is bit-identical on CPU, the fp32 runs from nudged initial weights and with nudged
+    # gradients land a little away, and the one with FP8-sized gradient noise further
     proc = run_script("--tasks", "digits", "--seeds", "0", "--steps-digits", "20", "--jobs", "2",
-                      "--modes", "none-rerun", "none-perturbed-init", "none-perturbed-grads", "fp8-e4m3",
-                      "fp8-e4m3-ef", "--out-dir", str(out), "--resume")
+                      "--modes", "none-rerun", "none-perturbed-init", "none-perturbed-grads", "none-noised-grads-3e-2",
+                      "fp8-e4m3", "fp8-e4m3-ef", "--out-dir", str(out), "--resume")
     assert proc.returncode == 0, proc.stdout[-4000:]
-    assert proc.stdout.count("resumed from") == 3 and proc.stdout.count(": started") == 3
+    assert proc.stdout.count("resumed from") == 3 and proc.stdout.count(": started") == 4
     data2 = json.loads((out / "convergence.json").read_text())
     assert [r["mode"] for r in data2["runs"]] == ["none", "none-rerun", "none-perturbed-init", "none-perturbed-grads",
-                                                  "fp8-e4m3", "fp8-e4m3-ef"]
-    assert data2["runs"][0] == runs[0] and data2["runs"][4] == runs[1]
+                                                  "none-noised-grads-3e-2", "fp8-e4m3", "fp8-e4m3-ef"]
+    assert data2["runs"][0] == runs[0] and data2["runs"][5] == runs[1]
     comps2 = {c["mode"]: c for c in data2["summary"]["digits"]["comparisons"]}
     assert comps2["none-rerun"]["rel_diff"] == 0.0 and comps2["none-rerun"]["grad_comm"] == "none"
     for mode, key, other in (("none-perturbed-init", "init_perturbation", "grad_perturbation"),
@@ -88,6 +88,10 @@ def test_tiny_comparison_writes_schema_logs_and_plot(tmp_path):
         summary = json.loads(open(os.path.join(REPO, row["log"])).read())["summary"]
         assert summary[key] == {"rel": 1e-6, "seed": 1} and summary[other] is None
         assert summary["bytes_sent"] == summary["bytes_baseline"]
+    noised = next(r for r in data2["runs"] if r["mode"] == "none-noised-grads-3e-2")
+    noised_summary = json.loads(open(os.path.join(REPO, noised["log"])).read())["summary"]
+    assert noised_summary["grad_perturbation"] == {"rel": 3e-2, "seed": 1} and noised_summary["grad_comm"] == "none"
+    assert abs(comps2["none-noised-grads-3e-2"]["rel_diff"]) > abs(comps2["none-perturbed-grads"]["rel_diff"])
     pm2 = data2["summary"]["digits"]["per_mode"]
     assert pm2["none-perturbed-init"]["within_1pct"] == 1 and pm2["none-rerun"]["within_1pct"] == 1
 
