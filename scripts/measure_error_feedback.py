@@ -8,7 +8,8 @@ fp32's by about the seed-to-seed spread. Here the trajectory is held fixed inste
 forcing"): a world of ``--world`` ranks (gloo, CPU) trains the trainer's ``--task`` with the exact
 fp64 mean of the ranks' gradients, and at every step the same local gradients also go through
 ``fp8_comm_hook.all_reduce`` for each compressed mode (E4M3 and E5M2, each with and without error
-feedback; each mode keeps its own residual), and through the trainer's bf16 all-reduce. For mode ``m`` and step ``t`` it records
+feedback; each mode keeps its own residual), and through the trainer's bf16 all-reduce. For mode
+``m`` and step ``t`` it records
 
   step error     ||g_m(t) - g(t)|| / ||g(t)||           the per-step error (error feedback adds the
                                                        residual, so this is not where it helps)
