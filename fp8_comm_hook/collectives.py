@@ -12,11 +12,12 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .codec.base import keep_finite_
 from .layout import BucketLayout
 from .stats import CommStats, ring_allreduce_bytes
 
 __all__ = ["two_shot", "nccl_fp8", "plain_all_reduce", "all_gather_into", "reduce_scatter_into",
-           "check_nccl_fp8_supported", "encode_shared_scales"]
+           "check_nccl_fp8_supported", "encode_shared_scales", "count_saturated"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -133,8 +134,17 @@ def encode_shared_scales(flat: torch.Tensor, layout: BucketLayout, codec, group=
                              group_scale=L.group_scale, block_scale=L.block_scale, generator=generator)
     if residual is not None:
         codec.dequantize(L.fp8_wire, sinv, L.groups, L.work, L.block_scale)
-        torch.sub(x, L.work, out=residual)
+        keep_finite_(residual, torch.sub(x, L.work, out=L.work))
     return sinv
+
+
+def count_saturated(wire: torch.Tensor, dequantized: torch.Tensor, fmt) -> torch.Tensor:
+    """How many values of an FP8 sum (``wire``, uint8 bytes of ``fmt``) sit at +-fmax, counting only
+    scale groups with a finite scale (where ``dequantized``, the same values times scale_inv, is not
+    NaN): a group that held an Inf or NaN is reported as non-finite, not as saturation, so it does
+    not halve the automatic pre_scale. Returns a device scalar (no synchronisation)."""
+    q = wire.reshape(-1).view(fmt.dtype).float()
+    return ((q.abs() >= fmt.fmax) & ~torch.isnan(dequantized[:q.numel()])).sum()
 
 
 def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre_scale: Optional[float] = None,
@@ -142,7 +152,8 @@ def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre
              generator: Optional[torch.Generator] = None, async_op: bool = False):
     """Mean of ``flat`` through NCCL's FP8 SUM all-reduce (MS-AMP style): per-group amax, one MAX
     all-reduce of the amax vector, shared scales times ``pre_scale``, FP8 sum, dequantize with
-    scale_inv / W. Values at +-fmax after the sum are counted as saturated. ``pre_scale=None`` starts
+    scale_inv / W. Values at +-fmax after the sum are counted as saturated (in finite scale groups:
+    :func:`count_saturated`). ``pre_scale=None`` starts
     at 1/sqrt(W) and adapts per bucket (:func:`next_pre_scale`)."""
     L, W = layout, layout.world_size
     fmt = codec.fmt
@@ -152,11 +163,11 @@ def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre
         stats.add("bytes_sent", ring_allreduce_bytes(4 * L.groups.num_groups + L.padded_numel, W))
 
     def finish() -> torch.Tensor:
-        sat = (L.fp8_wire.view(fmt.dtype).float().abs() >= fmt.fmax).sum()
+        codec.dequantize(L.fp8_wire, sinv, L.groups, L.work, L.block_scale)
+        sat = count_saturated(L.fp8_wire, L.work, fmt)
         L.saturated_last = sat
         if stats is not None:
             stats.add_device("saturated_values", sat)
-        codec.dequantize(L.fp8_wire, sinv, L.groups, L.work, L.block_scale)
         L.work.div_(W)
         _track_nonfinite(stats, sinv)
         return L.scatter_to(L.work, flat)

@@ -154,11 +154,11 @@ def nccl_fp8_reduce_scatter(flat: torch.Tensor, out: torch.Tensor, layout: Bucke
                                             generator=generator)
     collectives.reduce_scatter_into(L.fp8_out.view(fmt.dtype), L.fp8_wire.view(-1).view(fmt.dtype),
                                     op=dist.ReduceOp.SUM, group=group, async_op=True).wait()
-    sat = (L.fp8_out.view(fmt.dtype).float().abs() >= fmt.fmax).sum()
-    L.saturated_last = sat
     own_sinv = sinv[L.rank][None]
     codec.dequantize(L.fp8_out[None], own_sinv, L.own_groups, L.work, L.block_scale)
     shard = L.work[:C]
+    sat = collectives.count_saturated(L.fp8_out, shard, fmt)
+    L.saturated_last = sat
     if average:
         shard.div_(W)
     if stats is not None:

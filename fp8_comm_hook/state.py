@@ -2,6 +2,7 @@
 residuals, the step counter and the stats), with checkpointing that holds only tensors and
 primitives and pickling without the process group (as torch's PowerSGD state does)."""
 import logging
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -45,6 +46,7 @@ class FP8CommState:
         self._generators: Dict[torch.device, torch.Generator] = {}
         self._bucket_in_step = 0
         self.layouts_built = 0                      # how many bucket layouts were derived (rebuilds add)
+        self.loss_scale: Optional[float] = None     # the loss scale the residuals are in (set_loss_scale)
 
     # ------------------------------------------------------------------ binding and identity
     def bind(self, model: torch.nn.Module) -> "FP8CommState":
@@ -179,6 +181,51 @@ class FP8CommState:
         uncompressed_buckets, nonfinite_buckets, saturated_values (reading device counters)."""
         return self._stats.as_dict()
 
+    # ------------------------------------------------------------------ loss scaling
+    def rescale_residuals(self, factor: float) -> None:
+        """Multiply every error-feedback residual of this rank (live layouts and residuals waiting
+        for a layout) by ``factor``, a finite positive number. Raises ``ValueError`` otherwise."""
+        factor = float(factor)
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"rescale_residuals: factor must be a finite number > 0, got {factor!r}")
+        if factor == 1.0:
+            return
+        for layout in self._layouts.values():
+            if layout.residual is not None:
+                layout.residual.mul_(factor)
+        for r in self._stored_residuals.values():
+            r.mul_(factor)
+
+    def set_loss_scale(self, scale: float) -> float:
+        """Tell the state the loss scale of the next backward's gradients (``GradScaler.get_scale()``);
+        call it before every backward, or at least whenever the scale may have changed.
+
+        Error-feedback residuals are measured in the gradients' units, which a dynamic loss scale
+        multiplies: when ``scale`` differs from the last one given, every residual is multiplied by
+        ``scale / last`` so that it is added to the next gradient in that gradient's units (without
+        it, a halving after an overflow adds the carried error twice, a growth adds half of it). The
+        first call only records the scale. Returns the factor applied (1.0 when nothing changed).
+        Raises ``ValueError`` for a scale that is not a finite number > 0.
+
+        Example::
+
+            state = register_ddp_hook(model, FP8CommConfig(error_feedback=True))
+            for x, y in loader:
+                state.set_loss_scale(scaler.get_scale())
+                scaler.scale(loss_fn(model(x), y)).backward()
+                scaler.step(opt)
+                scaler.update()
+        """
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"set_loss_scale: scale must be a finite number > 0, got {scale!r}")
+        last, self.loss_scale = self.loss_scale, scale
+        if last is None or last == scale:
+            return 1.0
+        factor = scale / last
+        self.rescale_residuals(factor)
+        return factor
+
     # ------------------------------------------------------------------ checkpointing
     def residuals(self) -> Dict[str, torch.Tensor]:
         """This rank's error-feedback residual per parameter key (fp32 copies, unpadded)."""
@@ -191,19 +238,22 @@ class FP8CommState:
 
     def state_dict(self) -> dict:
         """Tensors and primitives only (``torch.load(weights_only=True)`` works): version, step,
-        world size, config, ``keyed_by``, stats and this rank's residuals. Per rank: save one file
-        per rank (residuals differ by rank)."""
+        world size, config, ``keyed_by``, stats, this rank's residuals and the loss scale they are in
+        (None unless :meth:`set_loss_scale` was called). Per rank: save one file per rank (residuals
+        differ by rank)."""
         try:
             world = self.world_size
         except Exception:
             world = None
         return {"version": STATE_VERSION, "step": self.step, "world_size": world,
                 "config": self.config.to_dict(), "keyed_by": self.keyed_by, "stats": self.stats(),
-                "residuals": self.residuals()}
+                "residuals": self.residuals(), "loss_scale": self.loss_scale}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore from :meth:`state_dict` output (after binding to a fresh model). Residuals saved
-        at another world size, or keyed by identity, are dropped with a warning."""
+        at another world size, or keyed by identity, are dropped with a warning; non-finite residual
+        values (saved by a version that let a non-finite step into them) are set to 0, with a
+        warning naming the parameters."""
         if sd.get("version") != STATE_VERSION:
             raise ValueError(f"state_dict version {sd.get('version')!r} is not {STATE_VERSION}")
         self.step = int(sd["step"])
@@ -222,17 +272,38 @@ class FP8CommState:
             residuals = {}
         for layout in list(self._layouts):
             self._retire(layout)
-        self._stored_residuals = {k: v.clone() for k, v in residuals.items()}
+        self._stored_residuals = _finite_residuals(residuals)
+        scale = sd.get("loss_scale")
+        self.loss_scale = float(scale) if scale is not None else None
 
     # ------------------------------------------------------------------ pickling (no process group)
     def __getstate__(self):
         # Parameter names are keyed by object identity, which means nothing in another process:
         # call bind() again after unpickling. Residuals (keyed by name) travel.
         return {"config": self.config, "step": self.step, "stats": self._stats.as_dict(),
-                "residuals": self.residuals()}
+                "residuals": self.residuals(), "loss_scale": self.loss_scale}
 
     def __setstate__(self, s):
         self.__init__(s["config"], None)
         self.step = s["step"]
         self._stats.load(s["stats"])
-        self._stored_residuals = s["residuals"]
+        self._stored_residuals = _finite_residuals(s["residuals"])
+        self.loss_scale = s.get("loss_scale")
+
+
+def _finite_residuals(residuals: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Copies of ``residuals`` with non-finite values set to 0, with one warning naming the
+    parameters that had them (a residual must never carry an Inf or NaN into a step)."""
+    out, dirty = {}, []
+    for k, v in residuals.items():
+        v = v.clone()
+        bad = ~torch.isfinite(v)
+        n = int(bad.sum())
+        if n:
+            v.masked_fill_(bad, 0.0)
+            dirty.append(f"{k} ({n} non-finite of {v.numel()})")
+        out[k] = v
+    if dirty:
+        log.warning("fp8_comm_hook: error-feedback residuals with non-finite values set to 0 on load: %s",
+                    ", ".join(dirty))
+    return out

@@ -15,7 +15,7 @@ import torch
 from ..formats import FLOAT32_MAX, FP8Format
 from ..layout import ScaleGroups
 
-__all__ = ["Codec", "compute_scales"]
+__all__ = ["Codec", "compute_scales", "keep_finite_"]
 
 
 def compute_scales(amax: torch.Tensor, fmax: float, pre_scale: float, scale_out: torch.Tensor,
@@ -30,6 +30,15 @@ def compute_scales(amax: torch.Tensor, fmax: float, pre_scale: float, scale_out:
     scale_out.masked_fill_(~positive, 1.0)
     torch.reciprocal(scale_out, out=scale_inv_out)
     scale_inv_out.masked_fill_(~finite, float("nan"))
+
+
+def keep_finite_(residual: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
+    """Error feedback's update rule: ``residual = updated`` where ``updated`` is finite; elsewhere
+    ``residual`` keeps the value it had before the step. An Inf or NaN in a scale group makes that
+    group dequantize to NaN, so its whole update is dropped: the gradient it came with was never
+    applied (GradScaler skips the step), and the residual stays finite for the next step. Returns
+    ``residual``."""
+    return torch.where(torch.isfinite(updated), updated, residual, out=residual)
 
 
 class Codec(abc.ABC):
@@ -80,7 +89,7 @@ class Codec(abc.ABC):
                generator: Optional[torch.Generator] = None) -> None:
         """Quantize the bucket ``flat`` into the layout's packed ``send`` buffer (chunk d for rank
         d). With ``residual`` (padded fp32): quantize ``flat + residual`` and store the new
-        quantization error in ``residual``."""
+        quantization error in ``residual`` (only where it is finite: :func:`keep_finite_`)."""
         L, C = layout, layout.chunk_numel
         x = L.gather_from(flat)
         if residual is not None:
@@ -90,13 +99,14 @@ class Codec(abc.ABC):
                       block_scale=L.block_scale, generator=generator)
         if residual is not None:
             self.dequantize(L.payload(L.send, C), L.scales(L.send, C), L.groups, L.work, L.block_scale)
-            torch.sub(x, L.work, out=residual)
+            keep_finite_(residual, torch.sub(x, L.work, out=L.work))
 
     def reduce_shard(self, layout, residual: Optional[torch.Tensor] = None,
                      generator: Optional[torch.Generator] = None) -> None:
         """two_shot's middle step on the owner: dequantize and sum the W received chunks (``recv``)
         in fp32 in rank order, divide by W, requantize into ``gather_in``. With ``residual``: add W
-        times the requantization error to this rank's residual for its own chunk."""
+        times the requantization error to this rank's residual for its own chunk (where that comes
+        out non-finite, the residual keeps its value: :func:`keep_finite_`)."""
         L, W, C = layout, layout.world_size, layout.chunk_numel
         shard = self.dequantize_sum(L.payload(L.recv, C), L.scales(L.recv, C), L.own_groups_all_sources,
                                     L.shard, L.work, L.block_scale)
@@ -108,7 +118,8 @@ class Codec(abc.ABC):
             own = residual[L.rank * C:(L.rank + 1) * C]
             self.dequantize(L.payload(L.gather_in, C)[None], L.scales(L.gather_in, C)[None], L.own_groups,
                             L.work, L.block_scale)
-            own.add_(shard.sub_(L.work[:C]), alpha=W)
+            err = shard.sub_(L.work[:C])
+            keep_finite_(own, torch.add(own, err, alpha=W, out=err))
 
     def decode(self, layout, flat: torch.Tensor) -> torch.Tensor:
         """Dequantize the gathered shards (``gather_out``) into the bucket ``flat`` in its dtype;

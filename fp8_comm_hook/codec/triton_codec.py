@@ -235,6 +235,7 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
     epoch-tagged buffer; 2: the group's fp32 amax; 3: an fp32 amax per block. In modes 1 and 2 the
     program also writes scale_inv for groups [pid * GB, pid * GB + GB).
     RES_MODE 1 (encode): x += res, res = x - dequant(q). RES_MODE 2 (fold): res += res_scale * (x - dequant(q)).
+    In both, a residual element whose new value is not finite keeps its old one.
     """
     pid = tl.program_id(0)
     rows = tl.arange(0, NB)
@@ -247,7 +248,8 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
                      nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, False, DIV_MODE)
     eoffs = b[:, None] * BS + cols[None, :]
     if RES_MODE == 1:
-        x = x + tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+        r_old = tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+        x = x + r_old
     if AMAX_MODE == 0:
         amax = _block_amax(x)
     elif AMAX_MODE == 1:
@@ -278,11 +280,15 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
         tl.store(sc_ptr + row * sc_stride + lb, sinv, mask=bmask)
     if RES_MODE != 0:
         dq = _fp8_bits_to_f32(qb.to(tl.int32), MBITS, BIAS) * sinv[:, None]
+        # A non-finite update (the group held an Inf or NaN) keeps the residual from before the
+        # step (the reference's keep_finite_).
         if RES_MODE == 1:
-            tl.store(res_ptr + eoffs, x - dq, mask=bmask[:, None])
+            r_new = x - dq
         else:
-            r = tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
-            tl.store(res_ptr + eoffs, r + (x - dq) * res_scale, mask=bmask[:, None])
+            r_old = tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+            r_new = r_old + (x - dq) * res_scale
+        r_new = tl.where(tl.abs(r_new) < float("inf"), r_new, r_old)
+        tl.store(res_ptr + eoffs, r_new, mask=bmask[:, None])
     if AMAX_MODE == 1 or AMAX_MODE == 2:
         if pid * GB < ngroups:
             gi = pid * GB + tl.arange(0, GB)
