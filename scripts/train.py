@@ -499,34 +499,16 @@ def lr_at(step: int, args) -> float:
     return args.lr * (floor + (1.0 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def perturb_init(net: nn.Module, rel: float, seed: int) -> float:
-    """Multiply every floating-point parameter of ``net`` in place by ``1 + rel * z``, z standard
-    normal, drawn on the CPU from its own generator seeded with ``seed`` (the same numbers on every
-    rank and device; torch's global RNG is not touched). Returns the largest ``|rel * z|`` applied
-    (0.0, and ``net`` untouched, when ``rel`` is 0)."""
-    if rel == 0:
-        return 0.0
-    gen = torch.Generator().manual_seed(seed)
-    largest = 0.0
-    with torch.no_grad():
-        for p in net.parameters():
-            if not p.is_floating_point():
-                continue
-            z = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-            p.copy_((p.detach().cpu().double() * (1 + rel * z)).to(p.dtype))
-            largest = max(largest, rel * z.abs().max().item())
-    return largest
+def perturbations():
+    """The convergence study's perturbation functions (``studies/perturb.py``: ``perturb_init``,
+    ``perturb_grads``), imported only when ``--init-perturbation`` or ``--grad-perturbation`` is set:
+    the plain trainer does without them."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if repo not in sys.path:
+        sys.path.insert(0, repo)
+    from studies import perturb
 
-
-def perturb_grads(model: nn.Module, rel: float, gen: torch.Generator) -> None:
-    """Multiply every gradient of ``model`` in place by ``1 + rel * z``, z standard normal (fp32)
-    drawn from ``gen`` on the gradients' device, parameter by parameter: seeded alike on every rank,
-    it keeps DDP's replicas identical."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                z = torch.randn(p.grad.shape, generator=gen, device=p.grad.device, dtype=p.grad.dtype)
-                p.grad.addcmul_(p.grad, z, value=rel)
+    return perturb
 
 
 def evaluate(task, model, step: int) -> dict:
@@ -570,7 +552,8 @@ def train(args, grad_comm, config, rank, world, backend, device) -> dict:
             raise RuntimeError(f"ranks read different stdlib corpora (Python versions differ?): {digests}")
     torch.manual_seed(args.seed)
     net = task.build_model()
-    perturb_init(net, args.init_perturbation, args.init_perturbation_seed)
+    if args.init_perturbation:
+        perturbations().perturb_init(net, args.init_perturbation, args.init_perturbation_seed)
     net = net.to(device)
     numel = sum(p.numel() for p in net.parameters() if p.requires_grad)
     elem = next(net.parameters()).element_size()
@@ -587,8 +570,10 @@ def train(args, grad_comm, config, rank, world, backend, device) -> dict:
         except ImportError:
             pass
     losses = torch.zeros(args.steps, dtype=torch.float64, device=device)
-    grad_gen = (torch.Generator(device=device).manual_seed(args.grad_perturbation_seed)
-                if args.grad_perturbation else None)
+    perturb_grads, grad_gen = None, None
+    if args.grad_perturbation:
+        perturb_grads = perturbations().perturb_grads
+        grad_gen = torch.Generator(device=device).manual_seed(args.grad_perturbation_seed)
     lrs, evals = [], [evaluate(task, model, 0)]
     t0 = time.perf_counter()
     for step in range(args.steps):
@@ -599,7 +584,7 @@ def train(args, grad_comm, config, rank, world, backend, device) -> dict:
         loss = task.loss(model, step)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        if grad_gen is not None:
+        if perturb_grads is not None:
             perturb_grads(model, args.grad_perturbation, grad_gen)
         clip_grads(model, args.grad_clip)
         opt.step()

@@ -23,7 +23,7 @@ For each task it runs torchrun worlds of 2 (``OMP_NUM_THREADS=1``; ``--jobs`` of
   none-noised-grads-2e-3, none-noised-grads-3e-2   ``--grad-comm none --grad-perturbation 2e-3`` / ``3e-2``
                 (``--compressed-seeds``; only when named in ``--modes``): fp32 with unbiased gradient noise
                 as large as bf16's / FP8 E4M3's measured error of the averaged gradient (2.3e-3 / 3.3e-2
-                per step, ``scripts/measure_error_feedback.py --task charlm``): how far any gradient
+                per step, ``studies/measure_error_feedback.py --task charlm``): how far any gradient
                 error of that size carries a run, whatever its structure, so a compressed mode's
                 per-seed difference can be set against noise of its own size rather than a 1e-6 nudge
   bf16          ``--grad-comm bf16``                              (``--compressed-seeds``)
@@ -43,9 +43,9 @@ a table.
 Every run of a task gets that task's ``--digits-args`` / ``--charlm-args`` (see ``TASK_ARGS``), then
 ``--extra-args``. The per-step logs go to ``--log-dir`` (thinned to every Nth training step if one exceeds 300 KB).
 
-    python scripts/compare_convergence.py                       # the default comparison, 18 runs on the CPU
-    python scripts/compare_convergence.py --tasks digits --seeds 0 --steps-digits 20 --out-dir /tmp/cc
-    python scripts/compare_convergence.py --device cuda --jobs 6 --seeds 0 1 2 3 --compressed-seeds 0 1 2 3
+    python studies/compare_convergence.py                       # the default comparison, 18 runs on the CPU
+    python studies/compare_convergence.py --tasks digits --seeds 0 --steps-digits 20 --out-dir /tmp/cc
+    python studies/compare_convergence.py --device cuda --jobs 6 --seeds 0 1 2 3 --compressed-seeds 0 1 2 3
 """
 import argparse
 import json
@@ -408,7 +408,7 @@ def write_results(runs, records, argv, extra, task_extra, a, out_dir, t_start, f
         "summary": {
             **summary,
             "bar": f"|final eval loss / fp32's (same seed) - 1| <= {WITHIN:.0%}",
-            "command": shlex.join(["python", "scripts/compare_convergence.py", *(argv if argv is not None
+            "command": shlex.join(["python", "studies/compare_convergence.py", *(argv if argv is not None
                                                                                  else sys.argv[1:])]),
             "trainer_extra_args": extra,
             "trainer_task_args": task_extra,

@@ -1,7 +1,7 @@
 """Relative L2 error of ``fp8_comm_hook.all_reduce`` against the exact fp64 mean, per format, data
 kind, scaling mode and world size (gloo on CPU, independent seeded data per rank, 100,003 elements).
 
-    python scripts/measure_error.py --worlds 2 3 4 --out benchmarks/results/error-table.json
+    python studies/measure_error.py --worlds 2 3 4 --out benchmarks/results/error-table.json
 """
 import argparse
 import json

@@ -34,7 +34,7 @@ trainer's) and is set against the moments fed with ``g``; with ``u`` the exact u
 It prints a table at a few steps and writes ``--out`` (JSON) and a PNG next to it (gradient drift,
 step error and displacement drift against step).
 
-    python scripts/measure_error_feedback.py --task charlm --steps 300 --out benchmarks/results/error-feedback-charlm.json
+    python studies/measure_error_feedback.py --task charlm --steps 300 --out benchmarks/results/error-feedback-charlm.json
 """
 import argparse
 import json
@@ -50,6 +50,7 @@ import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+SCRIPTS = os.path.join(REPO, "scripts")  # the trainer, scripts/train.py, whose tasks and schedule this reuses
 
 #: mode name -> FP8CommConfig overrides (None: the trainer's bf16 recipe, as torch's bf16_compress_hook: cast
 #: to bf16, divide by the world size, SUM all-reduce in bf16, cast back)
@@ -117,7 +118,7 @@ def clipped(grad, max_norm):
 
 
 def worker(rank, a, store_path, result_path):
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, SCRIPTS)
     import shlex
 
     import train as trainer
@@ -239,7 +240,7 @@ def main(argv=None):
             result = json.load(f)
     result.update(task=a.task, world=a.world, seed=a.seed, steps=a.steps, modes=a.modes,
                   wall_time_s=time.perf_counter() - t0, torch_version=torch.__version__,
-                  command=" ".join(["python", "scripts/measure_error_feedback.py", *(argv if argv is not None
+                  command=" ".join(["python", "studies/measure_error_feedback.py", *(argv if argv is not None
                                                                                      else sys.argv[1:])]))
     rows = result["rows"]
     marks = sorted({min(len(rows), k) for k in (1, 10, 30, 100, 300, 1000, len(rows))})

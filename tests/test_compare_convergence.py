@@ -1,4 +1,4 @@
-"""scripts/compare_convergence.py on a tiny configuration: digits, one seed, 20 steps, three modes
+"""studies/compare_convergence.py on a tiny configuration: digits, one seed, 20 steps, three modes
 (fp32, FP8 E4M3, FP8 with error feedback: three torchrun worlds of 2, ~25 s on 2 CPU cores). Checks
 the JSON schema of convergence.json, its summary, and that the logs and the PNG exist."""
 import json
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "scripts", "compare_convergence.py")
+SCRIPT = os.path.join(REPO, "studies", "compare_convergence.py")
 RUN_KEYS = {"task", "grad_comm", "fp8_format", "error_feedback", "algorithm", "seed", "world_size",
             "final_eval_loss", "final_accuracy", "steps", "bytes_sent", "bytes_baseline", "log"}
 
@@ -83,7 +83,13 @@ def test_tiny_comparison_writes_schema_logs_and_plot(tmp_path):
     assert comps2["none-rerun"]["rel_diff"] == 0.0 and comps2["none-rerun"]["grad_comm"] == "none"
     for mode, key, other in (("none-perturbed-init", "init_perturbation", "grad_perturbation"),
                              ("none-perturbed-grads", "grad_perturbation", "init_perturbation")):
-        assert comps2[mode]["grad_comm"] == "none" and 0 < abs(comps2[mode]["rel_diff"]) < 1e-3
+        # the init nudge always lands a little away; the per-step gradient nudge may round away
+        # entirely in 20 steps (it changes AdamW's update by ~1e-6 of ~lr, under half an ulp of most
+        # weights; on torch 2.13 CPU the final loss is bit-identical), so only its bound is checked
+        # here, and the noised run below shows the gradient path takes effect
+        assert comps2[mode]["grad_comm"] == "none" and abs(comps2[mode]["rel_diff"]) < 1e-3
+        if key == "init_perturbation":
+            assert comps2[mode]["rel_diff"] != 0
         row = next(r for r in data2["runs"] if r["mode"] == mode)
         summary = json.loads(open(os.path.join(REPO, row["log"])).read())["summary"]
         assert summary[key] == {"rel": 1e-6, "seed": 1} and summary[other] is None

@@ -1,4 +1,4 @@
-"""scripts/measure_error_feedback.py on digits, world 3, 25 steps (one spawn, ~10 s on 2 CPU cores):
+"""studies/measure_error_feedback.py on digits, world 3, 25 steps (one spawn, ~10 s on 2 CPU cores):
 the JSON it writes, and the properties error feedback must show along a fixed trajectory."""
 import json
 import math
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(REPO, "scripts", "measure_error_feedback.py")
+SCRIPT = os.path.join(REPO, "studies", "measure_error_feedback.py")
 FP8_MODES = ["fp8-e4m3", "fp8-e4m3-ef", "fp8-e5m2", "fp8-e5m2-ef"]
 MODES = ["bf16", *FP8_MODES]
 
@@ -90,9 +90,9 @@ def test_adam_view_is_recorded(result):
 
 
 def _script_module():
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    sys.path.insert(0, REPO)
     try:
-        import measure_error_feedback
+        from studies import measure_error_feedback
     finally:
         sys.path.pop(0)
     return measure_error_feedback
