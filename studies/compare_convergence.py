@@ -42,6 +42,9 @@ eval loss against step, and each run's relative difference to the fp32 curve of 
 a table.
 Every run of a task gets that task's ``--digits-args`` / ``--charlm-args`` (see ``TASK_ARGS``), then
 ``--extra-args``. The per-step logs go to ``--log-dir`` (thinned to every Nth training step if one exceeds 300 KB).
+They are not kept in git (``benchmarks/results/**/convergence-logs/`` is ignored): ``convergence.json`` keeps
+every run's numbers and the command that made it, and rerunning that command regenerates the logs
+(``--resume`` reuses the logs that are there and runs the rest; see ``docs/convergence.md``).
 
     python studies/compare_convergence.py                       # the default comparison, 18 runs on the CPU
     python studies/compare_convergence.py --tasks digits --seeds 0 --steps-digits 20 --out-dir /tmp/cc
