@@ -226,6 +226,14 @@ class FP8CommState:
         self.rescale_residuals(factor)
         return factor
 
+    def follow_grad_scaler(self, scaler) -> float:
+        """:meth:`set_loss_scale` with ``scaler.get_scale()`` for an enabled ``torch.amp.GradScaler``
+        (what the trainer integrations call before each backward); nothing for None or a disabled
+        scaler. Returns the factor applied to the residuals."""
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        return self.set_loss_scale(scaler.get_scale())
+
     # ------------------------------------------------------------------ checkpointing
     def residuals(self) -> Dict[str, torch.Tensor]:
         """This rank's error-feedback residual per parameter key (fp32 copies, unpadded)."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from codec_ref import data
-from ddp_checks import digest, exact_mean, mlp, rel_err
+from ddp_checks import digest, exact_mean, mlp, rel_err  # noqa: F401 (mlp: used by the test modules too)
 
 INF_STEP = 1          # the step whose gradient holds the Inf
 STEPS = 4

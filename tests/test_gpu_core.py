@@ -85,3 +85,36 @@ def test_ddp_nccl_world1(nccl_world1, algorithm):
     if algorithm != "none":
         assert s["compressed_buckets"] >= 30
     assert s["nonfinite_buckets"] == 0
+
+
+@needs_sm90
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_nccl_fp8_error_feedback_after_inf_world1(nccl_world1, backend):
+    """nccl_fp8 with error feedback and the automatic pre_scale: an Inf at step 1 makes that step
+    non-finite, the next steps are finite with finite residuals, and the pre_scale is where the run
+    without the Inf has it (the Inf's group is not counted as saturation)."""
+    from fp8_comm_hook import FP8CommConfig, all_reduce
+    from fp8_comm_hook.hooks import _ALL_REDUCE_STATES
+
+    runs = {}
+    for inject in (False, True):
+        cfg = FP8CommConfig(algorithm="nccl_fp8", error_feedback=True, min_compress_numel=0, backend=backend,
+                            seed=11 + inject)
+        out = []
+        for step in range(4):
+            x = data("student_t", 300_000, seed=step).cuda()
+            ref = x.clone()
+            if inject and step == 1:
+                x[5:10] = float("inf")  # 5 values at +-fmax in a NaN-scale group: above the 1e-5 halving threshold
+            y = all_reduce(x, cfg)
+            out.append((int((~torch.isfinite(y)).sum()), rel(y, ref) if step != 1 or not inject else None))
+        st = _ALL_REDUCE_STATES[(cfg.replace(warmup_steps=0), None)]
+        layout = next(iter(st._layouts.values()))
+        runs[inject] = dict(steps=out, pre_scale=layout.auto_pre_scale, saturated=st.stats()["saturated_values"],
+                            residual_finite=bool(torch.isfinite(layout.residual).all()))
+    hit, clean = runs[True], runs[False]
+    assert hit["steps"][1][0] > 0
+    for step in (0, 2, 3):
+        assert hit["steps"][step][0] == 0, hit
+        assert hit["steps"][step][1] < 0.06 and hit["steps"][step][1] <= 1.5 * clean["steps"][step][1] + 1e-3, (hit, clean)
+    assert hit["residual_finite"] and hit["pre_scale"] == clean["pre_scale"], (hit, clean)

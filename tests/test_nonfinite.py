@@ -49,7 +49,31 @@ def chk_loss_scale(rank, W):
     return out
 
 
-CHECKS = [chk_all_reduce, chk_ddp, chk_fsdp, chk_gradscaler, chk_loss_scale]
+def chk_accelerate_follows_scale(rank, W):
+    """register_accelerate_hook with an fp16 accelerator (its GradScaler): every forward tells the
+    state the scaler's scale, so a scale change rescales the residuals."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from fp8_comm_hook.integrations.accelerate import register_accelerate_hook
+
+    class Fp16Accelerator:  # what register_accelerate_hook reads of an Accelerator
+        distributed_type = "MULTI_CPU"
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+
+    acc = Fp16Accelerator()
+    acc.scaler.scale(torch.ones(()))  # the scaler's scale tensor exists from its first use
+    net = nc.mlp(depth=3, width=32)
+    d = DDP(net, bucket_cap_mb=0.02)
+    st = register_accelerate_hook(acc, d, FP8CommConfig(min_compress_numel=0, error_feedback=True))
+    x, y = nc._batch(rank, 0, DEV)
+    torch.nn.functional.cross_entropy(d(x), y).backward()
+    first = (st.loss_scale, {k: v.clone() for k, v in st.residuals().items()})
+    acc.scaler.update(new_scale=2.0 ** 11)
+    d(x)
+    halved = all(torch.equal(v, first[1][k] / 2) for k, v in st.residuals().items())
+    return dict(first_scale=first[0], scale=st.loss_scale, halved=halved, n=len(first[1]))
+
+
+CHECKS = [chk_all_reduce, chk_ddp, chk_fsdp, chk_gradscaler, chk_loss_scale, chk_accelerate_follows_scale]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda w: f"world{w}")
@@ -156,7 +180,60 @@ def test_residual_follows_loss_scale(world):
     assert_loss_scale(values(world[1], "chk_loss_scale"))
 
 
+def test_accelerate_hook_follows_loss_scale(world):
+    for r in values(world[1], "chk_accelerate_follows_scale"):
+        assert r["first_scale"] == 2.0 ** 12 and r["scale"] == 2.0 ** 11 and r["halved"] and r["n"] > 0, r
+
+
 # ---------------------------------------------------------------------------------- single-process units
+def _loaded_state(value=8.0):
+    st = FP8CommState(FP8CommConfig(error_feedback=True))
+    st.load_state_dict(_state_with_residuals({"w": torch.full((4,), value)}))
+    return st
+
+
+def test_lightning_strategy_follows_loss_scale():
+    pytest.importorskip("lightning", reason="lightning not installed (pip install lightning)")
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from fp8_comm_hook.integrations.lightning import FP8DDPStrategy
+
+    strategy = FP8DDPStrategy(FP8CommConfig(error_feedback=True))
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=64.0))
+    strategy._ddp_comm_state = st = _loaded_state()
+    strategy.precision_plugin.scaler.scale(torch.ones(()))
+    strategy.pre_backward(torch.tensor(1.0))
+    assert st.loss_scale == 64.0
+    strategy.precision_plugin.scaler.update(new_scale=16.0)
+    strategy.pre_backward(torch.tensor(1.0))
+    assert st.loss_scale == 16.0 and torch.equal(st.residuals()["w"], torch.full((4,), 2.0))
+    # bf16-mixed has no scaler: nothing to follow
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cpu")
+    strategy.pre_backward(torch.tensor(1.0))
+    assert st.loss_scale == 16.0
+
+
+def test_transformers_callback_follows_loss_scale():
+    pytest.importorskip("transformers", reason="transformers not installed (pip install transformers)")
+    from fp8_comm_hook.integrations.transformers import FP8CommCallback
+
+    class Trainer:  # what the callback reads of a transformers.Trainer
+        class accelerator:
+            scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+
+    cb = FP8CommCallback(Trainer(), FP8CommConfig(error_feedback=True))
+    cb.on_step_begin(None, None, None)           # not registered yet: nothing to do
+    cb.state = st = _loaded_state()
+    Trainer.accelerator.scaler.scale(torch.ones(()))
+    cb.on_step_begin(None, None, None)
+    Trainer.accelerator.scaler.update(new_scale=1024.0)
+    cb.on_step_begin(None, None, None)
+    assert st.loss_scale == 1024.0 and torch.equal(st.residuals()["w"], torch.full((4,), 32.0))
+
+
+def test_follow_grad_scaler_ignores_missing_or_disabled_scaler():
+    st = _loaded_state()
+    assert st.follow_grad_scaler(None) == 1.0 and st.loss_scale is None
+    assert st.follow_grad_scaler(torch.amp.GradScaler("cpu", enabled=False)) == 1.0 and st.loss_scale is None
 def _state_with_residuals(residuals, world_size=2):
     return {"version": 1, "step": 3, "world_size": world_size, "config": FP8CommConfig().to_dict(),
             "keyed_by": "name", "stats": {}, "residuals": residuals}

@@ -33,9 +33,19 @@ def register_accelerate_hook(accelerator, model: torch.nn.Module,
                              config: Optional[FP8CommConfig] = None) -> Optional[FP8CommState]:
     """Register :func:`fp8_comm_hook.fp8_hook` on ``model`` (as returned by ``accelerator.prepare``)
     and return its :class:`FP8CommState`; returns None, with a log line, when Accelerate did not wrap
-    the model in DDP (a single process: nothing to communicate)."""
+    the model in DDP (a single process: nothing to communicate). With fp16 mixed precision
+    (``accelerator.scaler`` set) a forward pre-hook tells the state the loss scale before every
+    forward (:meth:`~fp8_comm_hook.FP8CommState.set_loss_scale`)."""
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         log.info("fp8_comm_hook: %s is not DDP-wrapped (distributed_type=%s); FP8 hook not registered",
                  type(model).__name__, getattr(accelerator, "distributed_type", "?"))
         return None
-    return register_ddp_hook(model, config)
+    state = register_ddp_hook(model, config)
+    if getattr(accelerator, "scaler", None) is not None:
+        # fp16 mixed precision: before every forward (so before every backward), tell the state the
+        # loss scale, so error-feedback residuals follow the scaler's changes.
+        def follow_scale(module, args):  # a pre-hook's return value would replace the inputs: return None
+            state.follow_grad_scaler(accelerator.scaler)
+
+        model.register_forward_pre_hook(follow_scale)
+    return state

@@ -3,7 +3,9 @@
 Lightning's own ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` takes a hook, but registers it
 only on CUDA and never binds parameter names. :class:`FP8DDPStrategy` registers through
 :func:`fp8_comm_hook.register_ddp_hook` on every device type (gloo on CPU too), so names are bound,
-configs are checked across ranks and a second registration is refused.
+configs are checked across ranks and a second registration is refused. Under ``precision="16-mixed"``
+it tells the state the GradScaler's loss scale before every backward
+(:meth:`~fp8_comm_hook.FP8CommState.set_loss_scale`), so error feedback follows the scale.
 
 Example::
 
@@ -49,6 +51,12 @@ class FP8DDPStrategy(DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         self._ddp_comm_state = register_ddp_hook(self.model, self.fp8_config)
+
+    def pre_backward(self, closure_loss) -> None:
+        """Lightning's hook before every backward: also tells the state the precision plugin's loss
+        scale (``precision="16-mixed"``), so error-feedback residuals follow its changes."""
+        super().pre_backward(closure_loss)
+        self._ddp_comm_state.follow_grad_scaler(getattr(self.precision_plugin, "scaler", None))
 
     @property
     def fp8_comm_state(self) -> FP8CommState:

@@ -54,6 +54,14 @@ class FP8CommCallback(TrainerCallback):
         self.state = existing if existing is not None else register_ddp_hook(model, self.config)
         return control
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        """Before every optimizer step's forward and backward passes: tell the FP8 state the loss
+        scale of fp16 mixed precision (the Trainer's ``accelerator.scaler``), so error-feedback
+        residuals follow its changes. Nothing without a registered state or a scaler."""
+        if self.state is not None:
+            self.state.follow_grad_scaler(getattr(getattr(self.trainer, "accelerator", None), "scaler", None))
+        return control
+
 
 def register_trainer_hook(trainer, config: Optional[FP8CommConfig] = None) -> FP8CommCallback:
     """Add an :class:`FP8CommCallback` for ``config`` to ``trainer`` (before ``trainer.train()``) and
