@@ -110,14 +110,24 @@ def ddp_run(rank, W, device, backend, error_feedback, inject=True, bucket_cap_mb
     inj = InfInjector(net[0])
     d = DDP(net, bucket_cap_mb=bucket_cap_mb)
     st = register_ddp_hook(d, FP8CommConfig(min_compress_numel=0, error_feedback=error_feedback, backend=backend))
+
+    def averaged(x, y):
+        return {n[len("module."):]: g for n, g in _grads(d, x, y).items()}
+
+    return _run_steps(rank, device, ref, averaged, inj, inject, st)
+
+
+def _run_steps(rank, device, ref, averaged_grads, inj, inject, state):
+    """``STEPS`` backward passes of the plain ``ref`` and of the wrapped model on this rank's
+    batches, the Inf armed at ``INF_STEP`` on rank 0 when ``inject``; ``averaged_grads(x, y)`` runs
+    the wrapped model's backward and returns its full averaged gradients by parameter name."""
     out = []
     for step in range(STEPS):
         x, y = _batch(rank, step, device)
         loc = _grads(ref, x, y)
         inj.armed = inject and step == INF_STEP and rank == 0
-        got = {n[len("module."):]: g for n, g in _grads(d, x, y).items()}
-        out.append(_summary(got, loc))
-    return dict(steps=out, residuals_finite=_finite(st.residuals().values()), stats=st.stats())
+        out.append(_summary(averaged_grads(x, y), loc))
+    return dict(steps=out, residuals_finite=_finite(state.residuals().values()), stats=state.stats())
 
 
 # ---------------------------------------------------------------------------------- FSDP
@@ -167,14 +177,12 @@ def fsdp_run(rank, W, device, backend, kind, inject=True):
     else:
         model, full = _fsdp1(net, kind, device), _fsdp1_full_grads
     st = register_fsdp_hook(model, FP8CommConfig(min_compress_numel=0, error_feedback=True, backend=backend))
-    out = []
-    for step in range(STEPS):
-        x, y = _batch(rank, step, device)
-        loc = _grads(ref, x, y)
-        inj.armed = inject and step == INF_STEP and rank == 0
+
+    def averaged(x, y):
         _grads(model, x, y)
-        out.append(_summary(full(model), loc))
-    return dict(steps=out, residuals_finite=_finite(st.residuals().values()), stats=st.stats())
+        return full(model)
+
+    return _run_steps(rank, device, ref, averaged, inj, inject, st)
 
 
 # ---------------------------------------------------------------------------------- GradScaler training
