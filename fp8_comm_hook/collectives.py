@@ -1,5 +1,12 @@
-"""The wire algorithms. Each takes a bucket's flat gradient, its :class:`BucketLayout`, a codec and
-a process group, and leaves the mean over ranks in the flat tensor.
+"""Every wire algorithm, and the only module that issues collectives on gradients.
+
+All-reduces (the mean over ranks left in the flat tensor): :func:`two_shot`, :func:`nccl_fp8`,
+:func:`plain_all_reduce` and :func:`cast_all_reduce` (the bf16 baseline). Reduce-scatters (this
+rank's shard of the sum or mean written into ``out``): :func:`fp8_reduce_scatter` (two_shot's first
+half: both share :func:`_scatter_reduce`), :func:`nccl_fp8_reduce_scatter` and
+:func:`plain_reduce_scatter`. Each FP8 algorithm takes a bucket's flat gradient, its
+:class:`~fp8_comm_hook.layout.BucketLayout`, a codec and a process group. Checks that need a
+collective (:func:`check_configs_match`, :func:`bf16_all_reduce_works`) live here too.
 
 With ``async_op=True`` a function returns ``(work, finish)``: every collective has been issued from
 the caller's thread (gloo deadlocks when a collective is issued from a Future callback), ``work`` is
@@ -14,10 +21,13 @@ import torch.distributed as dist
 
 from .codec.base import keep_finite_
 from .layout import BucketLayout
-from .stats import CommStats, ring_allreduce_bytes
+from .stats import (CommStats, fp8_reduce_scatter_bytes, fp8_sum_bytes, ring_allreduce_bytes,
+                    ring_reduce_scatter_bytes, two_shot_bytes)
 
-__all__ = ["two_shot", "nccl_fp8", "plain_all_reduce", "all_gather_into", "reduce_scatter_into",
-           "check_nccl_fp8_supported", "encode_shared_scales", "count_saturated"]
+__all__ = ["two_shot", "nccl_fp8", "plain_all_reduce", "cast_all_reduce", "fp8_reduce_scatter",
+           "nccl_fp8_reduce_scatter", "plain_reduce_scatter", "all_gather_into", "reduce_scatter_into",
+           "check_nccl_fp8_supported", "check_configs_match", "bf16_all_reduce_works", "encode_shared_scales",
+           "count_saturated", "next_pre_scale", "adapt_pre_scale"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -46,6 +56,16 @@ def _track_nonfinite(stats: Optional[CommStats], scale_inv: torch.Tensor) -> Non
         stats.add_device("nonfinite_buckets", (~torch.isfinite(scale_inv)).any())
 
 
+def _scatter_reduce(flat: torch.Tensor, layout: BucketLayout, codec, group, residual: Optional[torch.Tensor],
+                    generator: Optional[torch.Generator]) -> None:
+    """The first half of two_shot and the whole FP8 reduce-scatter: quantize each destination chunk
+    of ``flat`` (plus ``residual``) with its own scales into ``layout.send``, then one
+    ``all_to_all_single`` of the packed bytes; afterwards ``layout.recv`` row r holds rank r's
+    contribution to this rank's shard."""
+    codec.encode(flat, layout, residual, generator)
+    dist.all_to_all_single(layout.recv, layout.send, group=group, async_op=True).wait()
+
+
 def two_shot(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, stats: Optional[CommStats] = None,
              residual: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None,
              async_op: bool = False):
@@ -58,12 +78,11 @@ def two_shot(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, sta
     quantization error; the owner folds W times its requantization error into it.
     """
     L, W, C = layout, layout.world_size, layout.chunk_numel
-    codec.encode(flat, L, residual, generator)
-    dist.all_to_all_single(L.recv, L.send, group=group, async_op=True).wait()
+    _scatter_reduce(flat, L, codec, group, residual, generator)
     codec.reduce_shard(L, residual, generator)
     work = all_gather_into(L.gather_out.view(-1), L.gather_in, group=group, async_op=True)
     if stats is not None:
-        stats.add("bytes_sent", 2 * (W - 1) * L.chunk_bytes)
+        stats.add("bytes_sent", two_shot_bytes(L.chunk_bytes, W))
 
     def finish() -> torch.Tensor:
         _track_nonfinite(stats, L.scales(L.gather_out, C))
@@ -99,21 +118,22 @@ def adapt_pre_scale(layout: BucketLayout, world_size: int) -> float:
     """This step's automatic pre_scale for ``layout``: 1/sqrt(W) at first, then
     :func:`next_pre_scale` of the previous step's saturation count (read one step late, when the
     previous sum has long finished)."""
-    ps = getattr(layout, "auto_pre_scale", None)
+    ps = layout.auto_pre_scale
     if ps is None:
         return 1.0 / math.sqrt(world_size)
-    sat = getattr(layout, "saturated_last", None)
+    sat = layout.saturated_last
     return next_pre_scale(ps, int(sat.item()) if sat is not None else 0, layout.padded_numel, world_size)
 
 
 def encode_shared_scales(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *,
                          pre_scale: Optional[float] = None, residual: Optional[torch.Tensor] = None,
-                         generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                         generator: Optional[torch.Generator] = None, scatter: bool = False) -> torch.Tensor:
     """The first half of an FP8 sum (``nccl_fp8`` and its reduce-scatter form): per-group amax of the
     whole padded bucket, one MAX all-reduce of the amax vector (NaN already reported as +Inf, so it
     survives), then quantize with the shared scales times ``pre_scale`` (None: automatic, see
     :func:`adapt_pre_scale`) into ``layout.fp8_wire`` ([W, chunk] uint8). With ``residual``, it is
-    added first and replaced by this rank's quantization error. Returns the shared scale_inv
+    added first and replaced by this rank's quantization error. ``scatter``: the sum will be a
+    reduce-scatter (its output shard is allocated too). Returns the shared scale_inv
     ([W, groups_per_chunk] fp32, pre-scale included)."""
     L, W, C = layout, layout.world_size, layout.chunk_numel
     if pre_scale is None:
@@ -125,10 +145,7 @@ def encode_shared_scales(flat: torch.Tensor, layout: BucketLayout, codec, group=
         x.add_(residual)
     codec.group_amax(x, L.groups, L.work, L.block_amax, L.group_amax)
     dist.all_reduce(L.group_amax, op=dist.ReduceOp.MAX, group=group, async_op=True).wait()
-    if L.fp8_wire is None:
-        L.fp8_wire = torch.empty(W, C, dtype=torch.uint8, device=L.device)
-    if getattr(L, "fp8_scale_inv", None) is None:
-        L.fp8_scale_inv = torch.empty(L.groups.num_groups, dtype=torch.float32, device=L.device)
+    L.ensure_fp8_sum(scatter)
     sinv = L.fp8_scale_inv.view(W, -1)
     codec.quantize_with_amax(x, L.groups, L.group_amax, L.fp8_wire, sinv, pre_scale=ps, work=L.work,
                              group_scale=L.group_scale, block_scale=L.block_scale, generator=generator)
@@ -160,7 +177,7 @@ def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre
     sinv = encode_shared_scales(flat, L, codec, group, pre_scale=pre_scale, residual=residual, generator=generator)
     work = dist.all_reduce(L.fp8_wire.view(fmt.dtype), op=dist.ReduceOp.SUM, group=group, async_op=True)
     if stats is not None:
-        stats.add("bytes_sent", ring_allreduce_bytes(4 * L.groups.num_groups + L.padded_numel, W))
+        stats.add("bytes_sent", fp8_sum_bytes(L.padded_numel, L.groups.num_groups, W))
 
     def finish() -> torch.Tensor:
         codec.dequantize(L.fp8_wire, sinv, L.groups, L.work, L.block_scale)
@@ -190,3 +207,116 @@ def plain_all_reduce(flat: torch.Tensor, group=None, *, stats: Optional[CommStat
     if stats is not None:
         stats.add("bytes_sent", ring_allreduce_bytes(flat.numel() * flat.element_size(), W))
     return _finish(work, finish, async_op)
+
+
+def cast_all_reduce(flat: torch.Tensor, group=None, *, wire_dtype: torch.dtype = torch.bfloat16,
+                    sum_in_wire_dtype: bool = True, async_op: bool = False):
+    """The cast baseline (torch's ``_compress_hook`` recipe): cast ``flat`` to ``wire_dtype``, divide
+    by W, SUM all-reduce, cast back into ``flat``. With ``sum_in_wire_dtype=False`` (for backends
+    that cannot sum ``wire_dtype``) the cast values are summed in ``flat``'s dtype and the mean is
+    rounded to ``wire_dtype`` again: the wire dtype's numerics with ``flat``'s bytes on the wire.
+    Returns as the other algorithms do (``(work, finish)`` when ``async_op``)."""
+    W = dist.get_world_size(group)
+    sent = flat.to(wire_dtype).div_(W)
+    if not sum_in_wire_dtype:
+        sent = sent.to(flat.dtype)
+    work = dist.all_reduce(sent, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        flat.copy_(sent if sum_in_wire_dtype else sent.to(wire_dtype))
+        return flat
+
+    return _finish(work, finish, async_op)
+
+
+def bf16_all_reduce_works(group, device: torch.device) -> bool:
+    """Whether ``group`` can SUM-all-reduce bf16 tensors on ``device`` (a one-element probe that
+    every rank runs; a backend without bf16 rejects the dtype locally on every rank alike)."""
+    t = torch.ones(1, dtype=torch.bfloat16, device=device)
+    try:
+        dist.all_reduce(t, group=group)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return float(t.item()) == float(dist.get_world_size(group))
+
+
+# ---------------------------------------------------------------------------------- reduce-scatters
+def fp8_reduce_scatter(flat: torch.Tensor, out: torch.Tensor, layout: BucketLayout, codec, group=None, *,
+                       average: bool = True, stats: Optional[CommStats] = None,
+                       residual: Optional[torch.Tensor] = None,
+                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Reduce-scatter ``flat`` (W equal chunks) into ``out`` (this rank's chunk) through FP8: the first
+    half of :func:`two_shot` (:func:`_scatter_reduce`), then the owner dequantizes and sums the W
+    chunks in fp32 in rank order and divides by W when ``average`` (else leaves the sum). ``layout``
+    must have one segment per chunk (padded chunk r is exactly shard r). ``residual``: error
+    feedback, as in ``two_shot``. Returns ``out``."""
+    L, W, C = layout, layout.world_size, layout.chunk_numel
+    _scatter_reduce(flat, L, codec, group, residual, generator)
+    shard = codec.dequantize_sum(L.payload(L.recv, C), L.scales(L.recv, C), L.own_groups_all_sources,
+                                 L.shard, L.work, L.block_scale)
+    if average:
+        shard.div_(W)
+    if stats is not None:
+        stats.add("bytes_sent", fp8_reduce_scatter_bytes(L.chunk_bytes, W))
+        _track_nonfinite(stats, L.scales(L.recv, C))
+    out.copy_(shard[:out.numel()])
+    return out
+
+
+def nccl_fp8_reduce_scatter(flat: torch.Tensor, out: torch.Tensor, layout: BucketLayout, codec, group=None, *,
+                            average: bool = True, pre_scale: Optional[float] = None,
+                            stats: Optional[CommStats] = None, residual: Optional[torch.Tensor] = None,
+                            generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Reduce-scatter through NCCL's FP8 SUM (NCCL on sm90+): :func:`encode_shared_scales` (shared
+    scales times ``pre_scale``, None: automatic as in :func:`nccl_fp8`), FP8 ``reduce_scatter`` in
+    ``torch.float8_*``, dequantize the own chunk with the shared scale_inv (divided by W when
+    ``average``). Returns ``out``."""
+    L, W, C = layout, layout.world_size, layout.chunk_numel
+    fmt = codec.fmt
+    sinv = encode_shared_scales(flat, L, codec, group, pre_scale=pre_scale, residual=residual,
+                                generator=generator, scatter=True)
+    reduce_scatter_into(L.fp8_out.view(fmt.dtype), L.fp8_wire.view(-1).view(fmt.dtype),
+                        op=dist.ReduceOp.SUM, group=group, async_op=True).wait()
+    own_sinv = sinv[L.rank][None]
+    codec.dequantize(L.fp8_out[None], own_sinv, L.own_groups, L.work, L.block_scale)
+    shard = L.work[:C]
+    sat = count_saturated(L.fp8_out, shard, fmt)
+    L.saturated_last = sat
+    if average:
+        shard.div_(W)
+    if stats is not None:
+        stats.add("bytes_sent", fp8_sum_bytes(L.padded_numel, L.groups.num_groups, W, scatter=True))
+        stats.add_device("saturated_values", sat)
+        _track_nonfinite(stats, own_sinv)
+    out.copy_(shard[:out.numel()])
+    return out
+
+
+def plain_reduce_scatter(flat: torch.Tensor, out: torch.Tensor, group=None, *, average: bool = True,
+                         stats: Optional[CommStats] = None) -> torch.Tensor:
+    """Uncompressed reduce-scatter in the tensor's own dtype (SUM, divided by W when ``average``);
+    returns ``out``."""
+    W = dist.get_world_size(group)
+    reduce_scatter_into(out, flat, op=dist.ReduceOp.SUM, group=group)
+    if average:
+        out.div_(W)
+    if stats is not None:
+        stats.add("bytes_sent", ring_reduce_scatter_bytes(flat.numel() * flat.element_size(), W))
+        stats.add_device("nonfinite_buckets", (~torch.isfinite(out)).any())
+    return out
+
+
+def check_configs_match(config, group=None) -> None:
+    """Raise ``ValueError`` if any rank of ``group`` holds a different config (an
+    :class:`~fp8_comm_hook.config.FP8CommConfig`; mismatched configs would otherwise exchange
+    garbage: every rank must derive the same packed sizes)."""
+    if dist.get_world_size(group) == 1:
+        return
+    mine = config.to_dict()
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    for r, other in enumerate(gathered):
+        if other != mine:
+            diff = sorted(k for k in mine if mine[k] != other.get(k))
+            raise ValueError(f"FP8CommConfig differs between ranks: rank {dist.get_rank(group)} and rank {r} "
+                             f"disagree on {diff} ({ {k: mine[k] for k in diff} } vs { {k: other.get(k) for k in diff} })")

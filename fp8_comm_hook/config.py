@@ -1,7 +1,9 @@
 """``FP8CommConfig``: every knob of FP8 gradient communication, validated once.
 
 Build it from keyword arguments, a dict (:meth:`FP8CommConfig.from_dict`), environment variables
-(:meth:`FP8CommConfig.from_env`, ``FP8_COMM_<FIELD>``) or argparse (:mod:`fp8_comm_hook.cli`).
+(:meth:`FP8CommConfig.from_env`, ``FP8_COMM_<FIELD>``); command-line flags build it through
+:func:`fp8_comm_hook.integrations.cli.config_from_args`. Pure data: nothing here imports the rest of
+the package.
 """
 import dataclasses
 import math
@@ -25,7 +27,7 @@ _FALSE = ("0", "false", "no", "off")
 #: collective). FP8 saves 2(W-1)/W * ~2.97 bytes per fp32 element on the wire (5.2 B at W=8), so it
 #: breaks even at n = 0.6 ms * link_bandwidth / 5.2 B: about 360K elements on a 25 Gb/s link, 1.4M on
 #: 100 Gb/s. 262144 elements (1 MB of fp32, DDP's first bucket) suits the bandwidth-bound links FP8
-#: is for; lower it on slower links, raise it on fast ones (README, "Choosing min_compress_numel").
+#: is for; lower it on slower links, raise it on fast ones (docs/design.md, "Choosing min_compress_numel").
 DEFAULT_MIN_COMPRESS_NUMEL = 262144
 
 
@@ -113,15 +115,6 @@ class FP8CommConfig:
         except ValueError as e:
             set_vars = [v for v in environ if v.startswith(ENV_PREFIX)]
             raise ValueError(f"{e} (from environment variables {set_vars})") from None
-
-    @classmethod
-    def from_args(cls, args, environ: Optional[Mapping[str, str]] = None) -> "FP8CommConfig":
-        """Build from argparse ``args`` parsed with :func:`fp8_comm_hook.cli.add_cli_args`: each field
-        from its ``--fp8-*`` flag, else ``FP8_COMM_<FIELD>`` in ``environ``, else the default (see
-        :func:`fp8_comm_hook.cli.config_from_args`)."""
-        from .cli import config_from_args  # lazy: cli imports this module
-
-        return config_from_args(args, environ)
 
     def replace(self, **changes) -> "FP8CommConfig":
         """Return a copy with ``changes`` applied (validated again)."""

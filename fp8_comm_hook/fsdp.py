@@ -23,10 +23,15 @@ user set one), after its replicate all-reduce under HSDP (a 2-D mesh): the mean 
 once in 1-D and 2-D meshes. Only the reduce-scatter is compressed; HSDP's all-reduce over the
 replicate dimension stays FSDP's own. FSDP2 does not call the comm at shard-group size 1.
 
+This module only adapts FSDP to the shared seam: the reduce-scatter and all-reduce themselves are
+:func:`fp8_comm_hook.reduce.reduce_scatter_flat` / :func:`~fp8_comm_hook.reduce.reduce_flat`, the wire
+algorithms those run live in :mod:`fp8_comm_hook.collectives`, and step accounting is
+:meth:`FP8CommState.end_unit <fp8_comm_hook.state.FP8CommState.end_unit>`.
+
 Geometry. FSDP's flat gradient is a multiple of the shard-group size W; rank r owns chunk r
 (``chunk = numel / W``), and those boundaries are kept. Each chunk is padded on its own to a
-multiple of ``block_size`` (a :class:`~fp8_comm_hook.layout.BucketLayout` whose W segments are the W
-chunks), so scaling blocks start at the chunk boundary. Unlike the DDP hook, parameters inside a
+multiple of ``block_size`` (a :class:`~fp8_comm_hook.layout.PooledLayout` of
+:meth:`LayoutSpec.shards <fp8_comm_hook.layout.LayoutSpec.shards>`, whose W segments are the W chunks), so scaling blocks start at the chunk boundary. Unlike the DDP hook, parameters inside a
 chunk are *not* block-aligned: a block may straddle two parameters (FSDP1 flattens several
 parameters into one flat parameter; FSDP2 concatenates each parameter's dim-0 shard), so a small
 parameter next to a large one shares its scale. ``scaling="tensor"`` and ``"bucket"`` both give one
@@ -45,7 +50,7 @@ FSDP's own reduce-scatter in place (nothing is registered).
 
 Memory. The FP8 staging, scratch and packed buffers (about 11 bytes per element of a unit's
 unsharded flat gradient) are one pool per state, sized for the largest FSDP unit and shared by all
-units (see :class:`PooledLayout`), not kept per unit. Error feedback adds a persistent fp32 residual
+units (see :class:`~fp8_comm_hook.layout.PooledLayout`), not kept per unit. Error feedback adds a persistent fp32 residual
 of each unit's *unsharded* flat gradient (4 bytes per element of the whole model, per rank): it is
 this rank's own quantization error for every destination, so it cannot be sharded.
 
@@ -80,15 +85,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from . import collectives, registry
 from .config import FP8CommConfig
-from .hooks import check_configs_match, reduce_flat
-from .layout import BucketLayout
+from .layout import LayoutSpec
+from .reduce import reduce_flat, reduce_scatter_flat
 from .state import FP8CommState
-from .stats import CommStats, ring_allreduce_bytes
 
-__all__ = ["register_fsdp_hook", "fsdp_hook", "FP8ReduceScatter", "fp8_reduce_scatter",
-           "nccl_fp8_reduce_scatter", "shard_layout", "PooledLayout", "FSDP2_MIN_TORCH"]
+__all__ = ["register_fsdp_hook", "fsdp_hook", "FP8ReduceScatter", "FSDP2_MIN_TORCH"]
 
 log = logging.getLogger("fp8_comm_hook")
 
@@ -106,240 +109,6 @@ except ImportError:  # torch without FSDP2
     _FSDPModule = None
 
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-
-
-# ---------------------------------------------------------------------------------- wire algorithms
-def _ring_reduce_scatter_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring reduce-scatter of ``nbytes``: (W-1)/W * nbytes."""
-    return (world_size - 1) * nbytes // world_size
-
-
-def fp8_reduce_scatter(flat: torch.Tensor, out: torch.Tensor, layout: BucketLayout, codec, group=None, *,
-                       average: bool = True, stats: Optional[CommStats] = None,
-                       residual: Optional[torch.Tensor] = None,
-                       generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Reduce-scatter ``flat`` (W equal chunks) into ``out`` (this rank's chunk) through FP8: the first
-    half of ``two_shot``. Each destination chunk is quantized with its own scales, one
-    ``all_to_all_single`` moves the packed bytes, the owner dequantizes and sums the W chunks in fp32
-    in rank order and divides by W when ``average`` (else leaves the sum). ``layout`` must have one
-    segment per chunk (see :func:`shard_layout`). ``residual``: error feedback, as in ``two_shot``.
-    Returns ``out``."""
-    L, W, C = layout, layout.world_size, layout.chunk_numel
-    codec.encode(flat, L, residual, generator)
-    dist.all_to_all_single(L.recv, L.send, group=group, async_op=True).wait()
-    shard = codec.dequantize_sum(L.payload(L.recv, C), L.scales(L.recv, C), L.own_groups_all_sources,
-                                 L.shard, L.work, L.block_scale)
-    if average:
-        shard.div_(W)
-    if stats is not None:
-        stats.add("bytes_sent", (W - 1) * L.chunk_bytes)
-        stats.add_device("nonfinite_buckets", (~torch.isfinite(L.scales(L.recv, C))).any())
-    out.copy_(shard[:out.numel()])
-    return out
-
-
-def nccl_fp8_reduce_scatter(flat: torch.Tensor, out: torch.Tensor, layout: BucketLayout, codec, group=None, *,
-                            average: bool = True, pre_scale: Optional[float] = None,
-                            stats: Optional[CommStats] = None, residual: Optional[torch.Tensor] = None,
-                            generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Reduce-scatter through NCCL's FP8 SUM (NCCL on sm90+): per-group amax of all W chunks, one MAX
-    all-reduce of the amax vector, shared scales times ``pre_scale`` (None: 1/sqrt(W), adapted per
-    flat gradient as in ``nccl_fp8``), FP8 ``reduce_scatter`` in ``torch.float8_*``, dequantize the
-    own chunk with the shared scale_inv (divided by W when ``average``). Returns ``out``."""
-    L, W, C = layout, layout.world_size, layout.chunk_numel
-    fmt = codec.fmt
-    if getattr(L, "fp8_out", None) is None:
-        L.fp8_out = torch.empty(C, dtype=torch.uint8, device=L.device)
-    sinv = collectives.encode_shared_scales(flat, L, codec, group, pre_scale=pre_scale, residual=residual,
-                                            generator=generator)
-    collectives.reduce_scatter_into(L.fp8_out.view(fmt.dtype), L.fp8_wire.view(-1).view(fmt.dtype),
-                                    op=dist.ReduceOp.SUM, group=group, async_op=True).wait()
-    own_sinv = sinv[L.rank][None]
-    codec.dequantize(L.fp8_out[None], own_sinv, L.own_groups, L.work, L.block_scale)
-    shard = L.work[:C]
-    sat = collectives.count_saturated(L.fp8_out, shard, fmt)
-    L.saturated_last = sat
-    if average:
-        shard.div_(W)
-    if stats is not None:
-        stats.add("bytes_sent", ring_allreduce_bytes(4 * L.groups.num_groups, W) + (W - 1) * C)
-        stats.add_device("saturated_values", sat)
-        stats.add_device("nonfinite_buckets", (~torch.isfinite(own_sinv)).any())
-    out.copy_(shard[:out.numel()])
-    return out
-
-
-# Buffers a step needs, by algorithm; those not named stay unbound (None).
-_RS_TWO_SHOT = ("staging", "work", "shard", "send", "recv")
-_RS_NCCL = ("staging", "work", "fp8_wire", "fp8_out")
-_AR_TWO_SHOT = ("staging", "work", "shard", "send", "recv", "gather_in", "gather_out")
-_AR_NCCL = ("staging", "work", "fp8_wire")
-
-
-class PooledLayout(BucketLayout):
-    """A :class:`BucketLayout` whose large buffers (fp32 staging, work and shard buffers, packed send, recv and gather,
-    the FP8 wire) are views into a pool shared by every flat gradient of one state, bound before
-    each use with :meth:`bind`; the small per-block scale buffers stay its own.
-
-    FSDP frees each unit's unsharded gradient after reducing it; per-unit persistent buffers would
-    cost about 11 bytes per unsharded element of *every* unit. Sharing costs that for the largest
-    unit only. Units are reduced one after another on one stream (FSDP1's post-backward stream,
-    FSDP2's reduce-scatter stream), so one set of buffers serves them all.
-    """
-
-    POOLED = ("staging", "work", "shard", "send", "recv", "gather_in", "gather_out", "fp8_wire", "fp8_out")
-
-    def _alloc(self) -> None:
-        real = self.device
-        self.device = torch.device("meta")      # record shapes without allocating
-        try:
-            super()._alloc()
-        finally:
-            self.device = real
-        self._specs = {"fp8_wire": ((self.world_size, self.chunk_numel), torch.uint8),
-                       "fp8_out": ((self.chunk_numel,), torch.uint8)}
-        for name, t in list(vars(self).items()):
-            if isinstance(t, torch.Tensor) and t.is_meta:
-                if name in self.POOLED:
-                    self._specs[name] = (tuple(t.shape), t.dtype)
-                    setattr(self, name, None)
-                else:
-                    setattr(self, name, torch.zeros(t.shape, dtype=t.dtype, device=real))
-        for name in ("fp8_wire", "fp8_out"):
-            setattr(self, name, None)
-        self.fp8_scale_inv = torch.empty(self.groups.num_groups, dtype=torch.float32, device=real)
-        # Padding of the staging buffer (must read as zeros; the pool holds other units' data there).
-        pad, pos = [], 0
-        for _, d, n in sorted(self.copy_runs, key=lambda r: r[1]):
-            if d > pos:
-                pad.append((pos, d))
-            pos = max(pos, d + n)
-        if pos < self.padded_numel:
-            pad.append((pos, self.padded_numel))
-        self._padding = pad
-
-    def bind(self, pool: dict, names) -> "PooledLayout":
-        """Point the buffers ``names`` at views of ``pool`` (name -> tensor, grown as needed) and
-        zero the staging buffer's padding; returns self."""
-        for name in names:
-            shape, dtype = self._specs[name]
-            numel = 1
-            for n in shape:
-                numel *= n
-            key = (name, dtype, self.device)
-            buf = pool.get(key)
-            if buf is None or buf.numel() < numel:
-                buf = pool[key] = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
-            setattr(self, name, buf[:numel].view(shape))
-        if "staging" in names:
-            for a, b in self._padding:
-                self.staging[a:b].zero_()
-        return self
-
-
-def _pool(state: FP8CommState) -> dict:
-    pool = getattr(state, "_fsdp_pool", None)
-    if pool is None:
-        pool = state._fsdp_pool = {}
-    return pool
-
-
-def shard_layout(state: FP8CommState, key: str, flat: torch.Tensor, world_size: int, rank: int) -> PooledLayout:
-    """The cached layout of a flat gradient split into ``world_size`` equal chunks (one segment per
-    chunk, each padded on its own to a multiple of ``block_size``, so padded chunk r is exactly
-    FSDP's shard r), not yet bound to buffers. Residuals carry over by ``"<key>[r]"`` when the
-    layout is rebuilt."""
-    numel = flat.numel()
-    names = tuple(f"{key}[{r}]" for r in range(world_size))
-    lkey = ("fsdp", names, numel, flat.dtype, flat.device, world_size, rank)
-    layout = state._layouts.get(lkey)
-    if layout is not None:
-        return layout
-    if numel % world_size:
-        raise ValueError(f"flat gradient of {numel} elements does not split into {world_size} equal shards")
-    c = numel // world_size
-    layout = PooledLayout([c] * world_size, [r * c for r in range(world_size)], names, world_size, rank,
-                          state.config.block_size, state.config.scaling, numel, flat.dtype, flat.device)
-    assert layout.chunk_numel * world_size == layout.padded_numel and all(
-        d == r * layout.chunk_numel for r, d in enumerate(layout.dst_offsets))
-    _adopt_layout(state, lkey, layout)
-    return layout
-
-
-def _flat_layout(state: FP8CommState, key: str, flat: torch.Tensor, names) -> PooledLayout:
-    """The cached single-segment layout of a NO_SHARD flat gradient averaged over ``state.group``,
-    bound to the pooled buffers ``names``."""
-    W, rank = state.world_size, state.rank
-    lkey = ("fsdp", (key,), flat.numel(), flat.dtype, flat.device, W, rank)
-    layout = state._layouts.get(lkey)
-    if layout is None:
-        layout = PooledLayout([flat.numel()], [0], [key], W, rank, state.config.block_size, state.config.scaling,
-                              flat.numel(), flat.dtype, flat.device)
-        _adopt_layout(state, lkey, layout)
-    return layout.bind(_pool(state), names)
-
-
-def _adopt_layout(state: FP8CommState, lkey: tuple, layout: BucketLayout) -> None:
-    # The same bookkeeping as FP8CommState.layout_for: retire layouts holding these keys, keep their
-    # residuals, restore saved ones into the new layout.
-    for old in {state._owner[k] for k in layout.names if k in state._owner and state._owner[k] != lkey}:
-        state._retire(old)
-    for k in layout.names:
-        state._owner[k] = lkey
-    state._layouts[lkey] = layout
-    state.layouts_built += 1
-    if state.config.error_feedback:
-        state._restore_residuals(layout)
-
-
-def _reduce_scatter(state: FP8CommState, key: str, flat: torch.Tensor, out: torch.Tensor, group,
-                    average: bool) -> torch.Tensor:
-    """Reduce-scatter ``flat`` into ``out`` over ``group`` with the algorithm the state picks (mean
-    when ``average``, else sum), accounting it in the stats."""
-    W = dist.get_world_size(group)
-    flat = flat.view(-1)
-    if out.numel() * W != flat.numel():
-        raise ValueError(f"reduce-scatter output of {out.numel()} elements is not 1/{W} of the "
-                         f"{flat.numel()}-element input")
-    mode = state.mode_for(flat.numel())
-    rec = state.stats_recorder
-    rec.add("bytes_baseline", _ring_reduce_scatter_bytes(flat.numel() * flat.element_size(), W))
-    rec.add("compressed_buckets" if mode != "none" else "uncompressed_buckets", 1)
-    if mode == "none":
-        collectives.reduce_scatter_into(out, flat, op=dist.ReduceOp.SUM, group=group)
-        if average:
-            out.div_(W)
-        rec.add("bytes_sent", _ring_reduce_scatter_bytes(flat.numel() * flat.element_size(), W))
-        rec.add_device("nonfinite_buckets", (~torch.isfinite(out)).any())
-        return out
-    layout = shard_layout(state, key, flat, W, dist.get_rank(group))
-    layout.bind(_pool(state), _RS_NCCL if mode == "nccl_fp8" else _RS_TWO_SHOT)
-    codec = state.codec_for(flat.device)
-    residual = layout.ensure_residual() if state.config.error_feedback else None
-    gen = state.generator_for(flat.device)
-    if mode == "nccl_fp8":
-        return nccl_fp8_reduce_scatter(flat, out, layout, codec, group, average=average,
-                                       pre_scale=state.config.pre_scale, stats=rec, residual=residual,
-                                       generator=gen)
-    return fp8_reduce_scatter(flat, out, layout, codec, group, average=average, stats=rec, residual=residual,
-                              generator=gen)
-
-
-# ---------------------------------------------------------------------------------- step accounting
-def _end_unit(state: FP8CommState) -> None:
-    """Account one flat gradient; the step ends when the backward pass that reduced it ends."""
-    if not getattr(state, "_fsdp_step_open", False):
-        def close_step():
-            state._fsdp_step_open = False
-            state.end_bucket(True)
-
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(close_step)
-            state._fsdp_step_open = True
-        except RuntimeError:  # not inside a backward pass: every call is its own step
-            state.end_bucket(True)
-            return
-    state.end_bucket(False)
 
 
 # ---------------------------------------------------------------------------------- FSDP1
@@ -361,16 +130,15 @@ def fsdp_hook(state, grad: torch.Tensor, output: Optional[torch.Tensor] = None) 
     if isinstance(state, _FSDPUnitState):
         st, key = state.state, state.key
     else:
-        st, key = state, f"fsdp1:unit{state._bucket_in_step}"
+        st, key = state, f"fsdp1:unit{state.bucket_in_step}"
     try:
         if output is None:
             flat = grad.view(-1)
-            names = _AR_NCCL if st.mode_for(flat.numel()) == "nccl_fp8" else _AR_TWO_SHOT
-            reduce_flat(st, flat, lambda: _flat_layout(st, key, flat, names), async_op=False)
+            reduce_flat(st, flat, LayoutSpec.single(key, flat.numel(), pooled=True), async_op=False)
         else:
-            _reduce_scatter(st, key, grad, output, st.group, average=True)
+            reduce_scatter_flat(st, key, grad, output, st.group, average=True)
     finally:
-        _end_unit(st)
+        st.end_unit()
 
 
 def _clean_name(name: str) -> str:
@@ -405,10 +173,13 @@ def _register_fsdp1(model, state: FP8CommState) -> FP8CommState:
         if "root" in str(e):
             raise ValueError(f"register_fsdp_hook needs the root FSDP module: {e}") from e
         raise
-    for name, m in units:  # per-unit keys, so error feedback is kept per flat gradient
+    # Per-unit keys, so error feedback is kept per flat gradient. FSDP1's register_comm_hook hands
+    # every unit the same state object and has no per-unit API, so each unit's hook state (FSDP1's
+    # own attribute, which it passes to the hook) is replaced by a wrapper naming the unit.
+    for name, m in units:
         if getattr(m, "_comm_hook_state", None) is state:
             m._comm_hook_state = _FSDPUnitState(state, f"fsdp1:{_clean_name(name)}")
-    model._fp8_comm_state = state
+    registry.record_state(model, state)
     log.info("fp8_comm_hook: registered on FSDP1 (%d units, world %d): %s", len(units), state.world_size,
              state.config)
     return state
@@ -441,9 +212,9 @@ class FP8ReduceScatter(_ReduceScatterBase):
             raise ValueError(f"FP8ReduceScatter supports ReduceOp.SUM and AVG, got {op!r}: call "
                              "set_force_sum_reduction_for_comms(True) on the FSDP module (register_fsdp_hook does)")
         try:
-            _reduce_scatter(self.state, self.key, input_tensor, output_tensor.view(-1), group, average)
+            reduce_scatter_flat(self.state, self.key, input_tensor, output_tensor.view(-1), group, average)
         finally:
-            _end_unit(self.state)
+            self.state.end_unit()
         if not async_op:
             return None
         fut = torch.futures.Future()
@@ -469,18 +240,12 @@ def _register_fsdp2(model, state: FP8CommState, modules) -> FP8CommState:
         m.set_custom_reduce_scatter(comm)
         if hasattr(m, "set_force_sum_reduction_for_comms"):
             m.set_force_sum_reduction_for_comms(True)
-        m._fp8_comm_state = state
+        registry.record_state(m, state)
     log.info("fp8_comm_hook: installed on FSDP2 (%d modules): %s", len(modules), state.config)
     return state
 
 
 # ---------------------------------------------------------------------------------- entry point
-def _first_device(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def register_fsdp_hook(model: torch.nn.Module, config: Optional[FP8CommConfig] = None,
                        process_group=None) -> FP8CommState:
     """Send ``model``'s FSDP gradient reduction over the wire in FP8; returns its :class:`FP8CommState`.
@@ -507,16 +272,15 @@ def register_fsdp_hook(model: torch.nn.Module, config: Optional[FP8CommConfig] =
                              f"{type(model).__name__} containing FSDP modules")
         raise TypeError(f"register_fsdp_hook needs an FSDP model (FullyShardedDataParallel or fully_shard), "
                         f"got {type(model).__name__}")
-    if getattr(model, "_fp8_comm_state", None) is not None or any(
-            getattr(m, "_fp8_comm_state", None) is not None for _, m in fsdp2):
+    if registry.comm_state(model) is not None or any(registry.comm_state(m) is not None for _, m in fsdp2):
         raise RuntimeError("FP8 gradient communication is already registered on this FSDP model "
                            "(register_fsdp_hook was called before); register it once")
     pg = process_group if process_group is not None else (model.process_group if fsdp1 else None)
     state = FP8CommState(config, pg)
     state.bind(model)
-    check_configs_match(state.config, pg)
+    collectives.check_configs_match(state.config, pg)
     if state.config.algorithm == "nccl_fp8":
-        collectives.check_nccl_fp8_supported(state.group, _first_device(model))
+        collectives.check_nccl_fp8_supported(state.group, registry.model_device(model))
     if fsdp1:
         return _register_fsdp1(model, state)
     return _register_fsdp2(model, state, fsdp2)

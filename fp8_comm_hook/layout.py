@@ -5,7 +5,9 @@ each parameter on a block boundary of a padded fp32 buffer whose size is a multi
 ``world_size * block_size``, splits that buffer into ``world_size`` equal shards ("chunks"; rank r
 owns chunk r), derives the scale groups of the configured scaling mode, and owns every buffer the
 wire algorithms reuse each step (the fp32 staging and work buffers, the packed uint8 send, receive
-and gather buffers, and the scale scratch). Nothing here depends on the codec backend.
+and gather buffers, the scale scratch, the nccl_fp8 wire and the error-feedback residual), all
+declared in ``__slots__``. Nothing here depends on the codec backend; codecs keep what they derive
+per layout in their own workspaces, keyed by the layout.
 
 Packed chunk format (one per destination, identical size on every rank)::
 
@@ -13,58 +15,43 @@ Packed chunk format (one per destination, identical size on every rank)::
 
 ``chunk_numel`` is a multiple of ``block_size`` (>= 16), so the scales start 4-byte aligned.
 """
-import dataclasses
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["ScaleGroups", "BucketLayout"]
+from .geometry import ScaleGroups, round_up
+
+__all__ = ["BucketLayout", "PooledLayout", "LayoutSpec", "ScaleGroups"]
 
 
-@dataclasses.dataclass
-class ScaleGroups:
-    """Which scale each block of ``rows x chunk_numel`` elements uses.
+class LayoutSpec(NamedTuple):
+    """What a layout is built from: a stable key per segment (``names``), their element counts and
+    offsets in the flat source buffer; ``world_size``/``rank`` of the group the buffer is reduced
+    over (None: the state's group); ``pooled`` for a :class:`PooledLayout` (FSDP). The state caches
+    layouts by spec (see :meth:`fp8_comm_hook.state.FP8CommState.layout`)."""
 
-    ``block_group`` maps block i (of ``rows * chunk_numel / block_size``) to its scale index in
-    ``[0, rows * groups_per_row)``; ``None`` means one scale per block (block scaling).
-    """
+    names: Tuple[str, ...]
+    numels: Tuple[int, ...]
+    src_offsets: Tuple[int, ...]
+    world_size: Optional[int] = None
+    rank: Optional[int] = None
+    pooled: bool = False
 
-    rows: int
-    chunk_numel: int
-    block_size: int
-    groups_per_row: int
-    block_group: Optional[torch.Tensor]
+    @classmethod
+    def single(cls, name: str, numel: int, pooled: bool = False) -> "LayoutSpec":
+        """One segment covering a whole flat buffer of ``numel`` elements."""
+        return cls((name,), (int(numel),), (0,), pooled=pooled)
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in all rows together."""
-        return self.rows * self.chunk_numel // self.block_size
-
-    @property
-    def num_groups(self) -> int:
-        """Scales in all rows together."""
-        return self.rows * self.groups_per_row
-
-    def replicate(self, times: int) -> "ScaleGroups":
-        """The same per-row geometry repeated ``times`` times (``rows`` must be 1)."""
-        assert self.rows == 1
-        bg = None
-        if self.block_group is not None:
-            offs = torch.arange(times, device=self.block_group.device).repeat_interleave(self.block_group.numel())
-            bg = self.block_group.repeat(times) + offs * self.groups_per_row
-        return ScaleGroups(times, self.chunk_numel, self.block_size, self.groups_per_row, bg)
-
-    def row(self, r: int) -> "ScaleGroups":
-        """The geometry of row ``r`` alone, with scale indices local to that row."""
-        bg = None
-        if self.block_group is not None:
-            bpr = self.chunk_numel // self.block_size
-            bg = self.block_group[r * bpr:(r + 1) * bpr] - r * self.groups_per_row
-        return ScaleGroups(1, self.chunk_numel, self.block_size, self.groups_per_row, bg)
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
+    @classmethod
+    def shards(cls, key: str, numel: int, world_size: int, rank: int) -> "LayoutSpec":
+        """A flat buffer of ``numel`` elements split into ``world_size`` equal shards, one segment
+        each (keyed ``"<key>[r]"``), each padded on its own, so padded chunk r is exactly shard r
+        (FSDP's reduce-scatter input); pooled. ``ValueError`` when ``numel`` does not split evenly."""
+        if numel % world_size:
+            raise ValueError(f"flat gradient of {numel} elements does not split into {world_size} equal shards")
+        c = numel // world_size
+        return cls(tuple(f"{key}[{r}]" for r in range(world_size)), (c,) * world_size,
+                   tuple(r * c for r in range(world_size)), world_size, rank, True)
 
 
 class BucketLayout:
@@ -81,6 +68,21 @@ class BucketLayout:
       src_numel: numel of the source buffer; dtype/device: of the source buffer.
     """
 
+    __slots__ = (
+        # geometry
+        "world_size", "rank", "block_size", "scaling", "src_numel", "dtype", "device", "names", "numels",
+        "src_offsets", "dst_offsets", "data_numel", "padded_numel", "chunk_numel", "blocks_per_chunk", "copy_runs",
+        "groups", "chunk_bytes", "own_groups", "own_groups_all_sources",
+        # buffers reused every step (see _alloc)
+        "staging", "work", "shard", "block_amax", "block_scale", "group_amax", "group_scale", "send", "recv",
+        "gather_in", "gather_out",
+        # allocated on first use: error feedback, the FP8 sum's wire, its shared scales and its output shard
+        "residual", "fp8_wire", "fp8_scale_inv", "fp8_out",
+        # the automatic pre_scale of an FP8 sum: this step's factor and the last sum's saturation count
+        "auto_pre_scale", "saturated_last",
+        "__weakref__",
+    )
+
     def __init__(self, numels: Sequence[int], src_offsets: Sequence[int], names: Sequence[str],
                  world_size: int, rank: int, block_size: int, scaling: str, src_numel: int,
                  dtype: torch.dtype, device: torch.device):
@@ -96,9 +98,9 @@ class BucketLayout:
         pos = 0
         for n in self.numels:
             self.dst_offsets.append(pos)
-            pos += _round_up(n, block_size)
+            pos += round_up(n, block_size)
         self.data_numel = pos
-        self.padded_numel = max(_round_up(pos, world_size * block_size), world_size * block_size)
+        self.padded_numel = max(round_up(pos, world_size * block_size), world_size * block_size)
         self.chunk_numel = self.padded_numel // world_size
         self.blocks_per_chunk = self.chunk_numel // block_size
         self.copy_runs = self._merge_runs()
@@ -159,8 +161,12 @@ class BucketLayout:
         self.recv = torch.empty(W, self.chunk_bytes, **u8)
         self.gather_in = torch.empty(self.chunk_bytes, **u8)
         self.gather_out = torch.empty(W, self.chunk_bytes, **u8)
-        self.residual: Optional[torch.Tensor] = None   # error feedback, allocated on demand
-        self.fp8_wire: Optional[torch.Tensor] = None   # nccl_fp8 payload, allocated on demand
+        self.residual: Optional[torch.Tensor] = None       # error feedback: ensure_residual()
+        self.fp8_wire: Optional[torch.Tensor] = None       # FP8 sum payload [W, chunk]: ensure_fp8_sum()
+        self.fp8_scale_inv: Optional[torch.Tensor] = None  # FP8 sum shared scale_inv: ensure_fp8_sum()
+        self.fp8_out: Optional[torch.Tensor] = None        # FP8 reduce-scatter output shard: ensure_fp8_sum()
+        self.auto_pre_scale: Optional[float] = None
+        self.saturated_last: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ views
     @staticmethod
@@ -178,6 +184,16 @@ class BucketLayout:
         if self.residual is None:
             self.residual = torch.zeros(self.padded_numel, dtype=torch.float32, device=self.device)
         return self.residual
+
+    def ensure_fp8_sum(self, scatter: bool = False) -> None:
+        """Allocate the buffers of an FP8 sum (``nccl_fp8``): the [W, chunk] uint8 wire and the shared
+        scale_inv; with ``scatter``, also the uint8 output shard of its reduce-scatter form."""
+        if self.fp8_wire is None:
+            self.fp8_wire = torch.empty(self.world_size, self.chunk_numel, dtype=torch.uint8, device=self.device)
+        if self.fp8_scale_inv is None:
+            self.fp8_scale_inv = torch.empty(self.groups.num_groups, dtype=torch.float32, device=self.device)
+        if scatter and self.fp8_out is None:
+            self.fp8_out = torch.empty(self.chunk_numel, dtype=torch.uint8, device=self.device)
 
     # ------------------------------------------------------------------ data movement
     def gather_from(self, flat: torch.Tensor) -> torch.Tensor:
@@ -200,3 +216,79 @@ class BucketLayout:
     def signature(self) -> tuple:
         """What identifies this geometry: used to detect mismatched layouts across ranks."""
         return (self.world_size, self.block_size, self.scaling, tuple(self.numels))
+
+
+class PooledLayout(BucketLayout):
+    """A :class:`BucketLayout` whose large buffers (fp32 staging, work and shard buffers, packed send,
+    recv and gather, the FP8 wire and output shard) are views into a pool shared by every layout of
+    one state, bound before each use with :meth:`bind`; the small per-block scale buffers stay its own.
+
+    FSDP frees each unit's unsharded gradient after reducing it; per-unit persistent buffers would
+    cost about 11 bytes per unsharded element of *every* unit. Sharing costs that for the largest
+    unit only. Units are reduced one after another on one stream (FSDP1's post-backward stream,
+    FSDP2's reduce-scatter stream), so one set of buffers serves them all.
+    """
+
+    __slots__ = ("_specs", "_padding")
+
+    POOLED = ("staging", "work", "shard", "send", "recv", "gather_in", "gather_out", "fp8_wire", "fp8_out")
+    #: The pooled buffers each algorithm uses: the reduce-scatters (``rs_*``) and the NO_SHARD
+    #: all-reduces (``ar_*``).
+    BUFFERS = {
+        "rs_two_shot": ("staging", "work", "shard", "send", "recv"),
+        "rs_nccl_fp8": ("staging", "work", "fp8_wire", "fp8_out"),
+        "ar_two_shot": ("staging", "work", "shard", "send", "recv", "gather_in", "gather_out"),
+        "ar_nccl_fp8": ("staging", "work", "fp8_wire"),
+    }
+
+    def _alloc(self) -> None:
+        real = self.device
+        self.device = torch.device("meta")      # record shapes without allocating
+        try:
+            super()._alloc()
+        finally:
+            self.device = real
+        self._specs: Dict[str, Tuple[tuple, torch.dtype]] = {
+            "fp8_wire": ((self.world_size, self.chunk_numel), torch.uint8),
+            "fp8_out": ((self.chunk_numel,), torch.uint8)}
+        for name in BucketLayout.__slots__:
+            t = getattr(self, name, None)
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                if name in self.POOLED:
+                    self._specs[name] = (tuple(t.shape), t.dtype)
+                    setattr(self, name, None)
+                else:
+                    setattr(self, name, torch.zeros(t.shape, dtype=t.dtype, device=real))
+        self.fp8_scale_inv = torch.empty(self.groups.num_groups, dtype=torch.float32, device=real)
+        # Padding of the staging buffer (must read as zeros; the pool holds other units' data there).
+        pad, pos = [], 0
+        for _, d, n in sorted(self.copy_runs, key=lambda r: r[1]):
+            if d > pos:
+                pad.append((pos, d))
+            pos = max(pos, d + n)
+        if pos < self.padded_numel:
+            pad.append((pos, self.padded_numel))
+        self._padding = pad
+
+    def ensure_fp8_sum(self, scatter: bool = False) -> None:
+        """Nothing to allocate: the FP8 sum's buffers come from the pool (:meth:`bind`)."""
+
+    def bind(self, pool: dict, algorithm: str) -> "PooledLayout":
+        """Point the buffers ``algorithm`` (a key of :attr:`BUFFERS`) uses at views of ``pool``
+        ((name, dtype, device) -> tensor, grown as needed) and zero the staging buffer's padding;
+        returns self."""
+        names = self.BUFFERS[algorithm]
+        for name in names:
+            shape, dtype = self._specs[name]
+            numel = 1
+            for n in shape:
+                numel *= n
+            key = (name, dtype, self.device)
+            buf = pool.get(key)
+            if buf is None or buf.numel() < numel:
+                buf = pool[key] = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
+            setattr(self, name, buf[:numel].view(shape))
+        if "staging" in names:
+            for a, b in self._padding:
+                self.staging[a:b].zero_()
+        return self

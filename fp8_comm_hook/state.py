@@ -1,22 +1,40 @@
 """``FP8CommState``: what the hooks keep between steps (config, group, layouts, error-feedback
 residuals, the step counter and the stats), with checkpointing that holds only tensors and
-primitives and pickling without the process group (as torch's PowerSGD state does)."""
+primitives and pickling without the process group (as torch's PowerSGD state does).
+
+The one call a bucket makes is :meth:`FP8CommState.prepare`: it picks the wire algorithm, counts the
+bucket and returns a :class:`BucketPlan` (mode, layout, codec, residual, generator). Layouts are
+described by a :class:`~fp8_comm_hook.layout.LayoutSpec` and adopted in one place
+(:meth:`FP8CommState.layout`), for DDP buckets, ``all_reduce`` tensors and FSDP flat gradients alike.
+"""
 import logging
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from .codec import get_codec
 from .config import FP8CommConfig
-from .layout import BucketLayout
-from .stats import CommStats, ring_allreduce_bytes
+from .layout import BucketLayout, LayoutSpec, PooledLayout
+from .stats import CommStats, ring_bytes
 
-__all__ = ["FP8CommState"]
+__all__ = ["FP8CommState", "BucketPlan"]
 
 log = logging.getLogger("fp8_comm_hook")
 STATE_VERSION = 1
+
+
+class BucketPlan(NamedTuple):
+    """What one bucket needs for its step (:meth:`FP8CommState.prepare`): the wire ``mode``
+    ("none", "two_shot" or "nccl_fp8"); for the FP8 modes its ``layout``, ``codec``, error-feedback
+    ``residual`` (None without error feedback) and stochastic-rounding ``generator`` (None for RNE)."""
+
+    mode: str
+    layout: Optional[BucketLayout] = None
+    codec: object = None
+    residual: Optional[torch.Tensor] = None
+    generator: Optional[torch.Generator] = None
 
 
 class FP8CommState:
@@ -30,6 +48,10 @@ class FP8CommState:
     parameter name; unbound, it is keyed by parameter identity, which does not survive a resume into
     a fresh model (``state_dict()["keyed_by"]`` says which).
     """
+
+    __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
+                 "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
+                 "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -45,6 +67,8 @@ class FP8CommState:
         self._codecs: Dict[torch.device, object] = {}
         self._generators: Dict[torch.device, torch.Generator] = {}
         self._bucket_in_step = 0
+        self._pool: Dict[tuple, torch.Tensor] = {}   # buffers shared by pooled (FSDP) layouts
+        self._step_open = False                      # an FSDP backward's step is open (end_unit)
         self.layouts_built = 0                      # how many bucket layouts were derived (rebuilds add)
         self.loss_scale: Optional[float] = None     # the loss scale the residuals are in (set_loss_scale)
 
@@ -102,30 +126,56 @@ class FP8CommState:
         g.manual_seed((mix * 8191 + self.rank) & 0x7FFF_FFFF_FFFF_FFFF)
         return g
 
-    def layout_for(self, params: List[torch.Tensor], grads: List[torch.Tensor], flat: torch.Tensor) -> BucketLayout:
-        """The cached layout of a bucket holding ``params`` (whose gradients ``grads`` are views of
-        ``flat``); built anew when DDP rebuilt its buckets, carrying residuals over by parameter."""
-        keys = tuple(self._key(p) for p in params)
-        lkey = (keys, flat.numel(), flat.dtype, flat.device)
+    def bucket_spec(self, params: List[torch.Tensor], grads: List[torch.Tensor], flat: torch.Tensor) -> LayoutSpec:
+        """The :class:`LayoutSpec` of a DDP bucket holding ``params``, whose gradients ``grads`` are
+        views of ``flat`` (keyed by parameter name after :meth:`bind`)."""
+        esize, base = flat.element_size(), flat.data_ptr()
+        return LayoutSpec(tuple(self._key(p) for p in params), tuple(g.numel() for g in grads),
+                          tuple((g.data_ptr() - base) // esize for g in grads))
+
+    def layout(self, spec: LayoutSpec, flat: torch.Tensor) -> BucketLayout:
+        """The cached layout of ``spec`` for ``flat`` (its numel, dtype and device), built on first
+        use; the one place a layout is adopted. Adopting retires every layout that held one of the
+        same keys (DDP rebuilt its buckets, FSDP re-wrapped), carrying their residuals over by key."""
+        W = spec.world_size if spec.world_size is not None else self.world_size
+        rank = spec.rank if spec.rank is not None else self.rank
+        lkey = (spec.names, flat.numel(), flat.dtype, flat.device, W, rank, spec.pooled)
         layout = self._layouts.get(lkey)
         if layout is not None:
             return layout
-        esize = flat.element_size()
-        base = flat.data_ptr()
-        offsets = [(g.data_ptr() - base) // esize for g in grads]
-        numels = [g.numel() for g in grads]
-        layout = BucketLayout(numels, offsets, keys, self.world_size, self.rank, self.config.block_size,
-                              self.config.scaling, flat.numel(), flat.dtype, flat.device)
-        # Retire layouts that held any of these parameters (a bucket rebuild): keep their residuals.
-        for old in {self._owner[k] for k in keys if k in self._owner and self._owner[k] != lkey}:
+        cls = PooledLayout if spec.pooled else BucketLayout
+        layout = cls(spec.numels, spec.src_offsets, spec.names, W, rank, self.config.block_size, self.config.scaling,
+                     flat.numel(), flat.dtype, flat.device)
+        for old in {self._owner[k] for k in spec.names if k in self._owner and self._owner[k] != lkey}:
             self._retire(old)
-        for k in keys:
+        for k in spec.names:
             self._owner[k] = lkey
         self._layouts[lkey] = layout
         self.layouts_built += 1
         if self.config.error_feedback:
             self._restore_residuals(layout)
         return layout
+
+    def live_layouts(self) -> List[BucketLayout]:
+        """The layouts in use (one per bucket, ``all_reduce`` shape or FSDP flat gradient)."""
+        return list(self._layouts.values())
+
+    def prepare(self, flat: torch.Tensor, spec: LayoutSpec, collective: str = "all_reduce") -> BucketPlan:
+        """Everything one bucket needs, in one call: the wire mode for ``flat`` at this step, the
+        bucket counted in the stats (against a ring ``collective``, "all_reduce" or
+        "reduce_scatter", in ``flat``'s dtype), and for an FP8 mode the layout of ``spec`` (a pooled
+        one bound to the buffers this algorithm uses), the codec, the residual and the generator."""
+        mode = self.mode_for(flat.numel())
+        self._stats.add("bytes_baseline", ring_bytes(collective, flat.numel() * flat.element_size(), self.world_size
+                                                     if spec.world_size is None else spec.world_size))
+        self._stats.add("compressed_buckets" if mode != "none" else "uncompressed_buckets", 1)
+        if mode == "none":
+            return BucketPlan(mode)
+        layout = self.layout(spec, flat)
+        if isinstance(layout, PooledLayout):
+            layout.bind(self._pool, ("rs_" if collective == "reduce_scatter" else "ar_") + mode)
+        residual = layout.ensure_residual() if self.config.error_feedback else None
+        return BucketPlan(mode, layout, self.codec_for(flat.device), residual, self.generator_for(flat.device))
 
     def _retire(self, lkey: tuple) -> None:
         old = self._layouts.pop(lkey, None)
@@ -158,11 +208,6 @@ class FP8CommState:
             return "none"
         return "two_shot" if cfg.algorithm == "auto" else cfg.algorithm
 
-    def count_bucket(self, flat: torch.Tensor, compressed: bool) -> None:
-        """Account one bucket in the stats (baseline: a ring all-reduce in its own dtype)."""
-        self._stats.add("bytes_baseline", ring_allreduce_bytes(flat.numel() * flat.element_size(), self.world_size))
-        self._stats.add("compressed_buckets" if compressed else "uncompressed_buckets", 1)
-
     def end_bucket(self, is_last: bool) -> None:
         """Advance the bucket counter; after the step's last bucket, the step counter."""
         self._bucket_in_step += 1
@@ -170,6 +215,27 @@ class FP8CommState:
             self._bucket_in_step = 0
             self.step += 1
             self._stats.add("steps", 1)
+
+    def end_unit(self) -> None:
+        """Account one FSDP flat gradient: the step ends when the backward pass that reduced it ends
+        (a callback queued on the autograd engine); outside a backward every call is its own step."""
+        if not self._step_open:
+            def close_step():
+                self._step_open = False
+                self.end_bucket(True)
+
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(close_step)
+                self._step_open = True
+            except RuntimeError:  # not inside a backward pass
+                self.end_bucket(True)
+                return
+        self.end_bucket(False)
+
+    @property
+    def bucket_in_step(self) -> int:
+        """How many buckets (or FSDP flat gradients) this step has reduced so far."""
+        return self._bucket_in_step
 
     @property
     def stats_recorder(self) -> CommStats:

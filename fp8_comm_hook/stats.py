@@ -1,14 +1,51 @@
-"""Counters of what the hooks sent, cumulative since registration."""
+"""Counters of what the hooks sent (cumulative since registration) and every byte formula: what one
+rank sends in each wire algorithm and in the uncompressed baselines it is compared with."""
 from typing import Dict
 
 import torch
 
-__all__ = ["CommStats", "ring_allreduce_bytes"]
+__all__ = ["CommStats", "ring_allreduce_bytes", "ring_reduce_scatter_bytes", "ring_bytes", "two_shot_bytes",
+           "fp8_reduce_scatter_bytes", "fp8_sum_bytes"]
 
 
 def ring_allreduce_bytes(nbytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2(W-1)/W * nbytes."""
     return 2 * (world_size - 1) * nbytes // world_size
+
+
+def ring_reduce_scatter_bytes(nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring reduce-scatter of ``nbytes``: (W-1)/W * nbytes."""
+    return (world_size - 1) * nbytes // world_size
+
+
+def ring_bytes(collective: str, nbytes: int, world_size: int) -> int:
+    """:func:`ring_allreduce_bytes` for ``collective="all_reduce"``, :func:`ring_reduce_scatter_bytes`
+    for ``"reduce_scatter"``; ``ValueError`` otherwise."""
+    if collective == "all_reduce":
+        return ring_allreduce_bytes(nbytes, world_size)
+    if collective == "reduce_scatter":
+        return ring_reduce_scatter_bytes(nbytes, world_size)
+    raise ValueError(f"collective must be one of ['all_reduce', 'reduce_scatter'], got {collective!r}")
+
+
+def two_shot_bytes(chunk_bytes: int, world_size: int) -> int:
+    """Bytes one rank sends in ``two_shot``: W-1 packed chunks in the all-to-all, its packed shard to
+    W-1 ranks in the all-gather."""
+    return 2 * (world_size - 1) * chunk_bytes
+
+
+def fp8_reduce_scatter_bytes(chunk_bytes: int, world_size: int) -> int:
+    """Bytes one rank sends in the FP8 reduce-scatter (two_shot's first half): W-1 packed chunks."""
+    return (world_size - 1) * chunk_bytes
+
+
+def fp8_sum_bytes(payload_numel: int, num_groups: int, world_size: int, scatter: bool = False) -> int:
+    """Bytes one rank sends in an FP8 sum (``nccl_fp8``): ring all-reduces of the fp32 amax vector
+    (``num_groups`` values) and of the ``payload_numel`` FP8 bytes, or with ``scatter`` a ring
+    reduce-scatter of the FP8 bytes (``payload_numel`` is a multiple of W)."""
+    if scatter:
+        return ring_allreduce_bytes(4 * num_groups, world_size) + ring_reduce_scatter_bytes(payload_numel, world_size)
+    return ring_allreduce_bytes(4 * num_groups + payload_numel, world_size)
 
 
 class CommStats:

@@ -19,7 +19,7 @@ data twice (amax, then cast) or stages through fp32 moves more than it is credit
 is lower: the number compares backends against the device-to-device copy ceiling, measured in the same
 run as copy_gbps = 2 * bytes / time of ``dst.copy_(src)`` on a 1 GiB buffer.
 
-hook_cpu_overhead: host time of one DDP-hook-equivalent call (``state.layout_for`` + the reduce path
+hook_cpu_overhead: host time of one DDP-hook-equivalent call (``state.prepare`` + the reduce path
 + the finishing decode) on a one-rank NCCL group (collectives degenerate at world 1), median over calls,
 with the device synchronised between calls so that only the host's issue cost is timed.
 
@@ -230,7 +230,7 @@ def bench_hook_overhead(args, copy_gbps: float, rows: list) -> None:
     import torch
     import torch.distributed as dist
     from fp8_comm_hook import FP8CommConfig, FP8CommState
-    from fp8_comm_hook.hooks import reduce_flat
+    from fp8_comm_hook.reduce import reduce_flat
     own_pg = False
     tmp = None
     try:
@@ -265,7 +265,7 @@ def bench_hook_overhead(args, copy_gbps: float, rows: list) -> None:
                 state = FP8CommState(cfg)
 
                 def call():
-                    work, finish = reduce_flat(state, flat, lambda: state.layout_for(grads, grads, flat),
+                    work, finish = reduce_flat(state, flat, state.bucket_spec(grads, grads, flat),
                                                async_op=True)
                     finish()
                     state.end_bucket(True)

@@ -54,7 +54,9 @@ except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import fp8_comm_hook
 from fp8_comm_hook import FP8CommConfig
-from fp8_comm_hook.cli import add_cli_args, config_from_args, grad_comm_from_args, register_grad_comm
+from fp8_comm_hook.integrations.cli import add_cli_args, config_from_args, grad_comm_from_args, register_grad_comm
+from fp8_comm_hook.registry import grad_comm_wire_dtype
+from fp8_comm_hook.stats import ring_bytes
 
 log = logging.getLogger("train")
 
@@ -447,7 +449,7 @@ def wrap_model(net, args, device, grad_comm, config):
         model = nn.parallel.DistributedDataParallel(
             net, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_cap_mb)
         state = register_grad_comm(model, grad_comm, config)
-        return model, state, getattr(model, "_grad_comm_wire_dtype", None), "all_reduce"
+        return model, state, grad_comm_wire_dtype(model), "all_reduce"
     register_fsdp_hook = getattr(fp8_comm_hook, "register_fsdp_hook", None)
     if register_fsdp_hook is None:
         raise SystemExit(f"--dp {args.dp} is not yet available: this fp8_comm_hook {fp8_comm_hook.__version__} has no "
@@ -475,8 +477,7 @@ def wrap_model(net, args, device, grad_comm, config):
 
 def comm_bytes(numel: int, elem_bytes: int, world: int, collective: str) -> int:
     """Bytes one rank sends for ``numel`` gradients: ring all-reduce 2(W-1)/W, reduce-scatter (W-1)/W."""
-    nbytes = numel * elem_bytes
-    return (2 if collective == "all_reduce" else 1) * (world - 1) * nbytes // world
+    return ring_bytes(collective, numel * elem_bytes, world)
 
 
 def clip_grads(model, max_norm: float):

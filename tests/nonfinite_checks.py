@@ -75,7 +75,7 @@ def all_reduce_run(rank, W, device, backend, scaling, error_feedback, inject=Tru
     Gaussian data, +Inf at step 1 in rank 0's element 5. Per step: non-finite count, relative error
     against the exact mean, digest; and this rank's residual (from the state) after steps 0 and 1."""
     from fp8_comm_hook import FP8CommConfig, all_reduce
-    from fp8_comm_hook.hooks import _ALL_REDUCE_STATES
+    from fp8_comm_hook.reduce import _ALL_REDUCE_STATES
 
     # ``seed`` (unused without stochastic rounding) makes the cached all_reduce state fresh per run.
     cfg = FP8CommConfig(error_feedback=error_feedback, min_compress_numel=0, scaling=scaling, backend=backend,

@@ -1,4 +1,4 @@
-"""The command-line integration (fp8_comm_hook.cli) and scripts/train.py end to end.
+"""The command-line integration (fp8_comm_hook.integrations.cli) and scripts/train.py end to end.
 
 Precedence per field: flag, then FP8_COMM_<FIELD>, then the FP8CommConfig default; bad values raise
 ValueError naming the flag or variable. Two short torchrun runs of the trainer (digits with FP8,
@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 import fp8_comm_hook
 from fp8_comm_hook import FP8CommConfig, add_cli_args, config_from_args, register_grad_comm
-from fp8_comm_hook import cli
-from fp8_comm_hook.cli import grad_comm_from_args
+from fp8_comm_hook.integrations import cli
+from fp8_comm_hook.integrations.cli import grad_comm_from_args
+from fp8_comm_hook.registry import grad_comm_wire_dtype
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "scripts", "train.py")
@@ -57,7 +58,7 @@ def test_flag_beats_env_beats_default():
     assert cfg.fp8_format == "e5m2"         # env over default
     assert cfg.warmup_steps == 7
     assert cfg.algorithm == "two_shot"      # default
-    assert FP8CommConfig.from_args(parse("--fp8-block-size", "256"), environ=env) == cfg.replace(scaling="block")
+    assert config_from_args(parse("--fp8-block-size", "256"), environ=env) == cfg.replace(scaling="block")
 
 
 def test_flag_shadows_a_bad_env_value():
@@ -166,16 +167,16 @@ def _ddp_grads(grad_comm):
 @pytest.mark.timeout(60)
 def test_register_grad_comm_modes(world_of_one, monkeypatch):
     model, state, got, want = _ddp_grads("none")
-    assert state is None and model._grad_comm_wire_dtype == torch.float32
+    assert state is None and grad_comm_wire_dtype(model) == torch.float32
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
     model, state, got, want = _ddp_grads("bf16")  # gloo: bf16_allreduce_hook
-    assert state is None and model._grad_comm_wire_dtype == torch.bfloat16
+    assert state is None and grad_comm_wire_dtype(model) == torch.bfloat16
     assert all(torch.equal(g, w.to(torch.bfloat16).float()) for g, w in zip(got, want))
 
-    monkeypatch.setattr(cli, "_bf16_all_reduce_works", lambda group, device: False)
+    monkeypatch.setattr(cli, "bf16_all_reduce_works", lambda group, device: False)
     model, state, got, want = _ddp_grads("bf16")  # bf16_emulated_hook
-    assert model._grad_comm_wire_dtype == torch.float32
+    assert grad_comm_wire_dtype(model) == torch.float32
     assert all(torch.equal(g, w.to(torch.bfloat16).float()) for g, w in zip(got, want))
 
     model, state, got, want = _ddp_grads("fp8")

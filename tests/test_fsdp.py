@@ -178,7 +178,7 @@ def chk_hook_direct(rank, W):
     shard = torch.empty(63)
     fsdp_hook(state, flat, shard)
     out["after_large"] = rel_err(shard, ref)
-    out["pool_staging"] = state._fsdp_pool[("staging", torch.float32, CPU)].numel()
+    out["pool_staging"] = state._pool[("staging", torch.float32, CPU)].numel()
     c = 1000
     flat = data("gauss", W * c, seed=rank)
     bad_owner, bad_at = W - 1, 130   # element 130 of the last rank's shard: its block 2 (128..191)

@@ -94,7 +94,7 @@ def test_nccl_fp8_error_feedback_after_inf_world1(nccl_world1, backend):
     non-finite, the next steps are finite with finite residuals, and the pre_scale is where the run
     without the Inf has it (the Inf's group is not counted as saturation)."""
     from fp8_comm_hook import FP8CommConfig, all_reduce
-    from fp8_comm_hook.hooks import _ALL_REDUCE_STATES
+    from fp8_comm_hook.reduce import _ALL_REDUCE_STATES
 
     runs = {}
     for inject in (False, True):
@@ -109,7 +109,7 @@ def test_nccl_fp8_error_feedback_after_inf_world1(nccl_world1, backend):
             y = all_reduce(x, cfg)
             out.append((int((~torch.isfinite(y)).sum()), rel(y, ref) if step != 1 or not inject else None))
         st = _ALL_REDUCE_STATES[(cfg.replace(warmup_steps=0), None)]
-        layout = next(iter(st._layouts.values()))
+        layout = st.live_layouts()[0]
         runs[inject] = dict(steps=out, pre_scale=layout.auto_pre_scale, saturated=st.stats()["saturated_values"],
                             residual_finite=bool(torch.isfinite(layout.residual).all()))
     hit, clean = runs[True], runs[False]

@@ -42,7 +42,7 @@ def _child(check):  # pragma: no cover - runs in the subprocess
     import triton.language as tl
 
     from fp8_comm_hook.codec.torch_codec import TorchCodec
-    from fp8_comm_hook.codec import triton_codec as tcmod
+    from fp8_comm_hook.codec import triton_kernels as tcmod
     from fp8_comm_hook.codec.triton_codec import TritonCodec
     from fp8_comm_hook.formats import get_format
     from fp8_comm_hook.layout import BucketLayout

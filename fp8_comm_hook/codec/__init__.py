@@ -1,5 +1,5 @@
-"""FP8 codecs: quantize, dequantize and dequantize-sum over a :class:`~fp8_comm_hook.layout.ScaleGroups`
-geometry, writing the normative wire format (see README, "Wire format").
+"""FP8 codecs: quantize, dequantize and dequantize-sum over a :class:`~fp8_comm_hook.geometry.ScaleGroups`
+geometry, writing the normative wire format (docs/design.md, "Wire format").
 
 Backends: ``torch`` (reference; CPU and GPU), ``triton`` (fused GPU kernels) and ``te``
 (Transformer Engine). :func:`get_codec` picks one for a config and device.

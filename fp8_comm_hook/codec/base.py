@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ..formats import FLOAT32_MAX, FP8Format
-from ..layout import ScaleGroups
+from ..geometry import ScaleGroups
 
 __all__ = ["Codec", "compute_scales", "keep_finite_"]
 

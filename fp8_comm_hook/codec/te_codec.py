@@ -10,11 +10,12 @@ Dequantization is the reference's (eager torch).
 
 Block scaling is refused: no TE quantizer is verified to produce this wire format per block.
 """
+import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ..layout import ScaleGroups
+from ..geometry import ScaleGroups
 from .base import compute_scales
 from .torch_codec import TorchCodec
 
@@ -66,6 +67,10 @@ class TECodec(TorchCodec):
         super().__init__(fmt, stochastic_rounding=False)
         self._te_dtype = tex.DType.kFloat8E4M3 if fmt.name == "e4m3" else tex.DType.kFloat8E5M2
         self._scratch: Dict[torch.device, torch.Tensor] = {}
+        # Workspaces per scale-group geometry, dropped with it: the group ranges, and the casts
+        # (source view, quantizer, destination) per set of buffers.
+        self._ranges_by_groups: "weakref.WeakKeyDictionary[ScaleGroups, list]" = weakref.WeakKeyDictionary()
+        self._casts_by_groups: "weakref.WeakKeyDictionary[ScaleGroups, dict]" = weakref.WeakKeyDictionary()
 
     def _scratch_for(self, device) -> torch.Tensor:
         """Two fp32 words TE writes and nobody reads (its amax and its scale_inv)."""
@@ -74,11 +79,10 @@ class TECodec(TorchCodec):
             s = self._scratch[device] = torch.zeros(2, dtype=torch.float32, device=device)
         return s
 
-    @staticmethod
-    def _ranges(groups: ScaleGroups) -> List[Tuple[int, int, int, int]]:
+    def _ranges(self, groups: ScaleGroups) -> List[Tuple[int, int, int, int]]:
         """(row, local group, start, end) element ranges of every non-empty group, derived once per
-        geometry (one host copy of ``block_group``) and kept on the groups object."""
-        cached = getattr(groups, "_te_ranges", None)
+        geometry (one host copy of ``block_group``)."""
+        cached = self._ranges_by_groups.get(groups)
         if cached is not None:
             return cached
         bpc, bs, G = groups.chunk_numel // groups.block_size, groups.block_size, groups.groups_per_row
@@ -91,16 +95,16 @@ class TECodec(TorchCodec):
                 if i == bpc or local[i] != local[start]:
                     out.append((r, int(local[start]), start * bs, i * bs))
                     start = i
-        groups._te_ranges = out
+        self._ranges_by_groups[groups] = out
         return out
 
     def _casts(self, x, groups: ScaleGroups, payload, group_scale):
         """The (source view, quantizer, destination) triple of every group, built once per set of
-        buffers and cached on the groups object (the views keep those buffers alive)."""
+        buffers per geometry (the views keep those buffers alive)."""
         key = (x.data_ptr(), payload.data_ptr(), payload.stride(0), group_scale.data_ptr(), x.device)
-        cache = getattr(groups, "_te_casts", None)
+        cache = self._casts_by_groups.get(groups)
         if cache is None:
-            cache = groups._te_casts = {}
+            cache = self._casts_by_groups[groups] = {}
         plan = cache.get(key)
         if plan is not None:
             return plan

@@ -3,7 +3,7 @@ from typing import Optional
 
 import torch
 
-from ..layout import ScaleGroups
+from ..geometry import ScaleGroups
 from .base import Codec, compute_scales
 
 __all__ = ["TorchCodec"]

@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 
 from ..config import FP8CommConfig
-from ..hooks import register_ddp_hook
+from ..ddp import register_ddp_hook
 from ..state import FP8CommState
 
 __all__ = ["register_accelerate_hook"]

@@ -25,7 +25,7 @@ except ImportError:  # the standalone package name
     from pytorch_lightning.strategies import DDPStrategy
 
 from ..config import FP8CommConfig
-from ..hooks import fp8_hook, register_ddp_hook
+from ..ddp import fp8_hook, register_ddp_hook
 from ..state import FP8CommState
 
 __all__ = ["FP8DDPStrategy", "lightning_strategy"]

@@ -22,8 +22,9 @@ from typing import Optional
 import torch
 from transformers import TrainerCallback
 
+from .. import registry
 from ..config import FP8CommConfig
-from ..hooks import register_ddp_hook
+from ..ddp import register_ddp_hook
 from ..state import FP8CommState
 
 __all__ = ["FP8CommCallback", "register_trainer_hook"]
@@ -50,7 +51,7 @@ class FP8CommCallback(TrainerCallback):
             log.info("fp8_comm_hook: the Trainer's model is %s, not DDP (world size %s); FP8 hook not registered",
                      type(model).__name__, getattr(args, "world_size", "?"))
             return control
-        existing = getattr(model, "_fp8_comm_state", None)
+        existing = registry.comm_state(model)
         self.state = existing if existing is not None else register_ddp_hook(model, self.config)
         return control
 

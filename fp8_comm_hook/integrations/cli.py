@@ -13,7 +13,7 @@ Example::
     model = DDP(net)
     state = register_grad_comm(model, grad_comm_from_args(args), config_from_args(args))
 
-No ``from __future__ import annotations`` here: DDP inspects the signature of the bf16 fallback hook.
+The bf16 baseline hooks themselves are in :mod:`fp8_comm_hook.cast_hook`.
 """
 import argparse
 import dataclasses
@@ -24,12 +24,15 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .config import ALGORITHMS, BACKENDS, ENV_PREFIX, FP8_FORMATS, SCALINGS, FP8CommConfig, _parse_field
-from .hooks import register_ddp_hook
-from .state import FP8CommState
+from .. import registry
+from ..cast_hook import bf16_allreduce_hook, bf16_emulated_hook
+from ..collectives import bf16_all_reduce_works
+from ..config import ALGORITHMS, BACKENDS, ENV_PREFIX, FP8_FORMATS, SCALINGS, FP8CommConfig, _parse_field
+from ..ddp import register_ddp_hook
+from ..state import FP8CommState
 
 __all__ = ["GRAD_COMMS", "GRAD_COMM_ENV", "FLAGS", "add_cli_args", "grad_comm_from_args", "config_from_args",
-           "register_grad_comm", "bf16_allreduce_hook", "bf16_emulated_hook"]
+           "register_grad_comm"]
 
 log = logging.getLogger("fp8_comm_hook")
 
@@ -154,55 +157,6 @@ def config_from_args(args: argparse.Namespace, environ: Optional[Mapping[str, st
         raise ValueError(f"{msg} (from {', '.join(sources.values()) or 'defaults'})") from None
 
 
-def _bf16_all_reduce_works(group, device: torch.device) -> bool:
-    """Whether ``group`` can SUM-all-reduce bf16 tensors on ``device`` (a one-element probe that
-    every rank runs; a backend without bf16 rejects the dtype locally on every rank alike)."""
-    t = torch.ones(1, dtype=torch.bfloat16, device=device)
-    try:
-        dist.all_reduce(t, group=group)
-    except (RuntimeError, ValueError, TypeError):
-        return False
-    return float(t.item()) == float(dist.get_world_size(group))
-
-
-def bf16_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP hook doing what torch's ``default_hooks.bf16_compress_hook`` does (cast the bucket to
-    bf16, divide by the world size, SUM all-reduce in bf16, cast back), for backends other than NCCL:
-    DDP refuses torch's own hook, by name, on builds without CUDA and NCCL."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    buf = bucket.buffer()
-    sent = buf.to(torch.bfloat16).div_(dist.get_world_size(group))
-    fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
-
-    def decompress(f):
-        buf.copy_(f.value()[0])
-        return buf
-
-    return fut.then(decompress)
-
-
-def bf16_emulated_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP hook for backends that cannot all-reduce bf16: the bucket is cast to bf16 and divided by
-    the world size (as torch's ``bf16_compress_hook`` does), summed in fp32, and the mean rounded to
-    bf16 again. The numerics of a bf16 all-reduce; fp32 bytes on the wire."""
-    group = process_group if process_group is not None else dist.group.WORLD
-    buf = bucket.buffer()
-    sent = buf.to(torch.bfloat16).div_(dist.get_world_size(group)).to(buf.dtype)
-    fut = dist.all_reduce(sent, group=group, async_op=True).get_future()
-
-    def decompress(f):
-        buf.copy_(f.value()[0].to(torch.bfloat16))
-        return buf
-
-    return fut.then(decompress)
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def register_grad_comm(ddp_model: torch.nn.parallel.DistributedDataParallel, grad_comm: str,
                        config: Optional[FP8CommConfig] = None) -> Optional[FP8CommState]:
     """Set up ``ddp_model``'s gradient communication for ``grad_comm`` (one of :data:`GRAD_COMMS`):
@@ -213,8 +167,13 @@ def register_grad_comm(ddp_model: torch.nn.parallel.DistributedDataParallel, gra
       :func:`bf16_emulated_hook` (bf16 numerics, fp32 on the wire). Logs which; returns None.
     - ``"fp8"``: :func:`fp8_comm_hook.register_ddp_hook` with ``config``; returns its state.
 
-    Sets ``ddp_model._grad_comm_wire_dtype`` to the dtype that goes on the wire for "none"/"bf16"
-    (None for "fp8", whose state counts its own bytes).
+    Records the dtype that goes on the wire for "none"/"bf16" (None for "fp8", whose state counts its
+    own bytes): :func:`fp8_comm_hook.registry.grad_comm_wire_dtype` returns it.
+
+    Example::
+
+        args = add_cli_args(argparse.ArgumentParser()).parse_args()
+        state = register_grad_comm(DDP(net), grad_comm_from_args(args), config_from_args(args))
     """
     if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
         raise TypeError(f"register_grad_comm needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
@@ -222,27 +181,27 @@ def register_grad_comm(ddp_model: torch.nn.parallel.DistributedDataParallel, gra
         raise ValueError(f"grad_comm must be one of {list(GRAD_COMMS)}, got {grad_comm!r}")
     pg = ddp_model.process_group
     if grad_comm == "none":
-        ddp_model._grad_comm_wire_dtype = torch.float32
+        registry.record_wire_dtype(ddp_model, torch.float32)
         log.info("fp8_comm_hook: grad_comm=none: DDP's plain fp32 all-reduce, no hook registered")
         return None
     if grad_comm == "fp8":
-        ddp_model._grad_comm_wire_dtype = None
+        registry.record_wire_dtype(ddp_model, None)
         return register_ddp_hook(ddp_model, config)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     backend = dist.get_backend(pg)
     if backend == "nccl":
         ddp_model.register_comm_hook(pg, default_hooks.bf16_compress_hook)
-        ddp_model._grad_comm_wire_dtype = torch.bfloat16
+        registry.record_wire_dtype(ddp_model, torch.bfloat16)
         log.info("fp8_comm_hook: grad_comm=bf16: torch's bf16_compress_hook on nccl")
-    elif _bf16_all_reduce_works(pg, _model_device(ddp_model)):
+    elif bf16_all_reduce_works(pg, registry.model_device(ddp_model)):
         ddp_model.register_comm_hook(pg, bf16_allreduce_hook)
-        ddp_model._grad_comm_wire_dtype = torch.bfloat16
+        registry.record_wire_dtype(ddp_model, torch.bfloat16)
         log.info("fp8_comm_hook: grad_comm=bf16: torch's bf16_compress_hook is NCCL-only; using bf16_allreduce_hook "
                  "(the same cast, divide, bf16 all-reduce, cast back) on %s", backend)
     else:
         ddp_model.register_comm_hook(pg, bf16_emulated_hook)
-        ddp_model._grad_comm_wire_dtype = torch.float32
+        registry.record_wire_dtype(ddp_model, torch.float32)
         log.warning("fp8_comm_hook: grad_comm=bf16: backend %r cannot all-reduce bf16; using bf16_emulated_hook "
                     "(bf16-rounded values summed in fp32: bf16 numerics, fp32 bytes on the wire)", backend)
     return None

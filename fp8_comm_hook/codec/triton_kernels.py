@@ -1,0 +1,315 @@
+"""The Triton kernels of the FP8 codec and the constants that select their variants.
+
+Host code (argument tables, grids, launches) lives in :mod:`fp8_comm_hook.codec.triton_codec`; this
+module holds only ``@triton.jit`` functions, so a kernel change is read and reviewed on its own.
+Exact-bytes rules the kernels keep (IEEE division, no FMA contraction, clamp before the RNE cast) are
+described in :mod:`~fp8_comm_hook.codec.triton_codec`.
+"""
+import os
+
+import triton
+import triton.language as tl
+
+from ..formats import FLOAT32_MAX
+
+_QUANT_TILE = 4096       # elements per program of the quantize / dequantize kernels
+_AMAX_TILE = 8192        # elements per program of the amax kernel
+_AMAX_MAX_BLOCKS = 64    # the amax kernel compares every pair of blocks of its tile
+_GROUPS_PER_PROGRAM = 1024
+_EPOCH_LIMIT = 2 ** 31 - 1
+_INT32_SAFE = 2 ** 31 - 2 ** 20
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_FLT_MAX = tl.constexpr(FLOAT32_MAX)  # scales are clamped to it (a denormal amax gives a finite scale)
+
+# Source of the values a kernel quantizes.
+# _SRC_CONTIG: the bucket is one run starting at 0 in both buffers (no padding inside), read with
+# plain (vectorisable) loads; ``nsrc`` then holds its valid length.
+_SRC_DENSE, _SRC_SEGMENTS, _SRC_RECV, _SRC_CONTIG = 0, 1, 2, 3
+# Where the amax of a block's scale comes from.
+_AMAX_TILE_BLOCK, _AMAX_EPOCH_GROUP, _AMAX_F32_GROUP, _AMAX_F32_BLOCK = 0, 1, 2, 3
+# What happens to the residual (error feedback).
+_RES_NONE, _RES_ENCODE, _RES_FOLD = 0, 1, 2
+# How the fp32 sum of received chunks becomes a mean.
+_DIV_NONE, _DIV_RECIPROCAL, _DIV_TRUE = 0, 1, 2
+
+
+# ---------------------------------------------------------------------------------------- kernels
+@triton.jit
+def _scales(amax, FMAX: tl.constexpr, pre_scale):
+    """The wire rule: (scale, scale_inv) of an fp32 amax vector (NaN counts as non-finite)."""
+    finite = amax < float("inf")
+    positive = finite & (amax > 0.0)
+    s = tl.math.div_rn(tl.full(amax.shape, FMAX, tl.float32), amax)
+    s = tl.minimum(s, _FLT_MAX)
+    s = s * pre_scale
+    s = tl.where(positive, s, 1.0)
+    sinv = tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32), s)
+    sinv = tl.where(finite, sinv, float("nan"))
+    return s, sinv
+
+
+@triton.jit
+def _fp8_bits_to_f32(bits, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """Exact fp32 value of FP8 bit patterns (int32 in 0..255) by integer arithmetic. Used for the
+    error-feedback residual: on sm90 with Triton 3.6 converting the just-cast FP8 register back to
+    fp32 gave wrong values for some elements although the stored bytes were right."""
+    s = (bits >> 7) & 1
+    e = (bits >> MBITS) & ((1 << (7 - MBITS)) - 1)
+    m = bits & ((1 << MBITS) - 1)
+    vn = (((e - BIAS + 127) << 23) | (m << (23 - MBITS))).to(tl.float32, bitcast=True)
+    sub = tl.full(bits.shape, (128 - BIAS - MBITS) << 23, tl.int32).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, m.to(tl.float32) * sub, vn)
+    return tl.where(s == 1, -v, v)
+
+
+@triton.jit
+def _block_amax(x):
+    """Row-wise max |x| of a [blocks, BS] tile, NaN reported as +Inf."""
+    ax = tl.abs(x)
+    ax = tl.where(ax == ax, ax, float("inf"))
+    return tl.max(ax, axis=1)
+
+
+@triton.jit
+def _stochastic_round(y, seed, offs, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, FMAX: tl.constexpr):
+    """Round y (within +-FMAX) to a neighbouring FP8 grid point, up with probability equal to its
+    distance from the lower one over the spacing (unbiased); the grid math of the torch codec."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 127                      # floor(log2|y|) for normal fp32
+    e = tl.maximum(e, MIN_EXP)                           # fixed spacing in the subnormal range
+    ulp = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((MBITS - e + 127) << 23).to(tl.float32, bitcast=True)
+    lo = tl.floor(y * inv) * ulp
+    frac = (y - lo) * inv
+    u = tl.rand(seed, offs.to(tl.int32))
+    r = tl.where(u < frac, lo + ulp, lo)
+    return tl.minimum(tl.maximum(r, -FMAX), FMAX)
+
+
+@triton.jit
+def _soft_fp8_bits(y, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.constexpr):
+    """FP8 bits of y (finite, within +-fmax) by round-to-nearest-even in integer/exact fp32 math.
+    Used under the Triton interpreter, whose own cast drops the carry into the exponent."""
+    sign = (y.to(tl.int32, bitcast=True) >> 31) & 1
+    a = tl.abs(y)
+    e = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, MIN_EXP)
+    ulp = ((e - MBITS + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((MBITS - e + 127) << 23).to(tl.float32, bitcast=True)
+    k = (a * inv + 8388608.0) - 8388608.0              # RNE to an integer (a * inv < 2^(MBITS+1), exact)
+    r = k * ulp                                        # the rounded magnitude, exactly representable
+    rb = r.to(tl.int32, bitcast=True)
+    re = ((rb >> 23) & 0xFF) - 127
+    normal = (re + BIAS) << MBITS | ((rb >> (23 - MBITS)) & ((1 << MBITS) - 1))
+    sub = (r * inv).to(tl.int32)                       # below 2^MIN_EXP, e == MIN_EXP: r / ulp
+    out = tl.where(re >= MIN_EXP, normal, sub) | (sign << 7)
+    out = tl.where(y == y, out, 0x7F)
+    return out.to(tl.uint8)
+
+
+@triton.jit
+def _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride,
+                 sgrp_ptr, nsrc, bpc, G, inv_w, w_f,
+                 FP8: tl.constexpr, BS: tl.constexpr, SOURCE: tl.constexpr, SRC_GROUPED: tl.constexpr,
+                 DIV_MODE: tl.constexpr):
+    """The fp32 [blocks, BS] tile of blocks ``b``: from a dense padded buffer, from the unpadded
+    bucket through the segment table, or as the rank-ordered sum of ``nsrc`` received chunks."""
+    if SOURCE == 0:
+        x = tl.load(x_ptr + b[:, None] * BS + cols[None, :], mask=bmask[:, None], other=0.0)
+    elif SOURCE == 1:
+        src = tl.load(src_ptr + b, mask=bmask, other=0)
+        nv = tl.load(valid_ptr + b, mask=bmask, other=0)
+        m = cols[None, :] < nv[:, None]
+        x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    elif SOURCE == 3:
+        eo = b[:, None] * BS + cols[None, :]
+        x = tl.load(x_ptr + eo, mask=bmask[:, None] & (eo < nsrc), other=0.0).to(tl.float32)
+    else:
+        poffs = b[:, None] * BS + cols[None, :]
+        if SRC_GROUPED:
+            gidx = tl.load(sgrp_ptr + b, mask=bmask, other=0)
+        else:
+            gidx = b
+        q = tl.load(rp_ptr + poffs, mask=bmask[:, None], other=0)
+        si = tl.load(rs_ptr + gidx, mask=bmask, other=0.0)
+        x = q.to(FP8, bitcast=True).to(tl.float32) * si[:, None]
+        s = 1
+        while s < nsrc:  # rank order, as the reference; a while loop also runs under older interpreters
+            if SRC_GROUPED:
+                gidx = tl.load(sgrp_ptr + s * bpc + b, mask=bmask, other=0) - s * G
+            q = tl.load(rp_ptr + s * rp_stride + poffs, mask=bmask[:, None], other=0)
+            si = tl.load(rs_ptr + s * rs_stride + gidx, mask=bmask, other=0.0)
+            x = x + q.to(FP8, bitcast=True).to(tl.float32) * si[:, None]
+            s += 1
+        if DIV_MODE == 1:
+            x = x * inv_w
+        elif DIV_MODE == 2:
+            x = tl.math.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * w_f)
+    return x
+
+
+@triton.jit(do_not_specialize=["nsrc", "epoch", "nblocks", "bpc", "G"])
+def _amax_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, sgrp_ptr, nsrc, inv_w, w_f,
+                 res_ptr, xout_ptr, bamax_ptr, grp_ptr, gam_ptr, epoch, nblocks, bpc, G,
+                 FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, SOURCE: tl.constexpr,
+                 SRC_GROUPED: tl.constexpr, DIV_MODE: tl.constexpr, HAS_RES: tl.constexpr,
+                 STORE_X: tl.constexpr, STORE_BAMAX: tl.constexpr, ATOMIC: tl.constexpr, IDX64: tl.constexpr):
+    """Load (and optionally store) a tile of blocks, compute block amaxes, and fold them into the
+    epoch-tagged group amax with one atomic max per run of equal groups in the tile."""
+    pid = tl.program_id(0)
+    rows = tl.arange(0, NB)
+    cols = tl.arange(0, BS)
+    b = pid * NB + rows
+    if IDX64:
+        b = b.to(tl.int64)
+    bmask = b < nblocks
+    x = _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, sgrp_ptr,
+                     nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, SRC_GROUPED, DIV_MODE)
+    eoffs = b[:, None] * BS + cols[None, :]
+    if HAS_RES:
+        x = x + tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+    if STORE_X:
+        tl.store(xout_ptr + eoffs, x, mask=bmask[:, None])
+    if STORE_BAMAX or ATOMIC:
+        a = _block_amax(x)
+        a = tl.where(bmask, a, 0.0)
+        if STORE_BAMAX:
+            tl.store(bamax_ptr + b, a, mask=bmask)
+        if ATOMIC:
+            g = tl.load(grp_ptr + b, mask=bmask, other=-1)
+            same = (g[:, None] == g[None, :]) & bmask[None, :]
+            gmax = tl.max(tl.where(same, a[None, :], 0.0), axis=1)
+            gprev = tl.load(grp_ptr + b - 1, mask=bmask & (rows > 0), other=-1)
+            first = bmask & ((rows == 0) | (g != gprev))
+            tagged = (epoch.to(tl.int64) << 32) | gmax.to(tl.int32, bitcast=True).to(tl.int64)
+            tl.atomic_max(gam_ptr + g, tagged, mask=first, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["epoch", "ngroups"])
+def _amax_finish_kernel(gam_ptr, out_ptr, epoch, ngroups, GB: tl.constexpr):
+    """fp32 group amax from the epoch-tagged buffer (0 for groups without blocks)."""
+    gi = tl.program_id(0) * GB + tl.arange(0, GB)
+    gm = gi < ngroups
+    v = tl.load(gam_ptr + gi, mask=gm, other=0)
+    a = v.to(tl.int32).to(tl.float32, bitcast=True)
+    a = tl.where((v >> 32) == epoch, a, 0.0)
+    tl.store(out_ptr + gi, a, mask=gm)
+
+
+@triton.jit(do_not_specialize=["nsrc", "epoch", "seed", "nblocks", "bpc", "G", "ngroups"])
+def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, nsrc, inv_w, w_f,
+                  grp_ptr, amax_ptr, epoch, res_ptr, res_scale,
+                  pay_ptr, pay_stride, sc_ptr, sc_stride,
+                  nblocks, bpc, G, ngroups, pre_scale, seed,
+                  FP8: tl.constexpr, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr,
+                  BIAS: tl.constexpr, SOFT_FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr,
+                  SOURCE: tl.constexpr,
+                  AMAX_MODE: tl.constexpr, RES_MODE: tl.constexpr, SR: tl.constexpr, DIV_MODE: tl.constexpr,
+                  IDX64: tl.constexpr):
+    """Quantize a tile of blocks into packed rows (payload bytes + fp32 scale_inv per group).
+
+    AMAX_MODE 0: each block's own amax (block scaling, one pass); 1: the group's amax from the
+    epoch-tagged buffer; 2: the group's fp32 amax; 3: an fp32 amax per block. In modes 1 and 2 the
+    program also writes scale_inv for groups [pid * GB, pid * GB + GB).
+    RES_MODE 1 (encode): x += res, res = x - dequant(q). RES_MODE 2 (fold): res += res_scale * (x - dequant(q)).
+    In both, a residual element whose new value is not finite keeps its old one.
+    """
+    pid = tl.program_id(0)
+    rows = tl.arange(0, NB)
+    cols = tl.arange(0, BS)
+    b = pid * NB + rows
+    if IDX64:
+        b = b.to(tl.int64)
+    bmask = b < nblocks
+    x = _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, grp_ptr,
+                     nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, False, DIV_MODE)
+    eoffs = b[:, None] * BS + cols[None, :]
+    if RES_MODE == 1:
+        r_old = tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+        x = x + r_old
+    if AMAX_MODE == 0:
+        amax = _block_amax(x)
+    elif AMAX_MODE == 1:
+        g = tl.load(grp_ptr + b, mask=bmask, other=0)
+        v = tl.load(amax_ptr + g, mask=bmask, other=0)
+        amax = v.to(tl.int32).to(tl.float32, bitcast=True)
+    elif AMAX_MODE == 2:
+        g = tl.load(grp_ptr + b, mask=bmask, other=0)
+        amax = tl.load(amax_ptr + g, mask=bmask, other=0.0)
+    else:
+        amax = tl.load(amax_ptr + b, mask=bmask, other=0.0)
+    scale, sinv = _scales(amax, FMAX, pre_scale)
+    y = x * scale[:, None]
+    y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+    if SR:
+        y = _stochastic_round(y, seed, eoffs, MBITS, MIN_EXP, FMAX)
+    if SOFT_FP8 or RES_MODE != 0:
+        # With a residual the payload is also decoded in registers; on sm90 with Triton 3.6 the
+        # hardware cast then stored wrong bytes for some element pairs (measured on an H200), so the
+        # exact integer RNE cast is used there.
+        qb = _soft_fp8_bits(y, MBITS, MIN_EXP, BIAS)
+    else:
+        qb = y.to(FP8).to(tl.uint8, bitcast=True)
+    row = b // bpc
+    lb = b - row * bpc
+    tl.store(pay_ptr + row[:, None] * pay_stride + lb[:, None] * BS + cols[None, :], qb, mask=bmask[:, None])
+    if AMAX_MODE == 0 or AMAX_MODE == 3:
+        tl.store(sc_ptr + row * sc_stride + lb, sinv, mask=bmask)
+    if RES_MODE != 0:
+        dq = _fp8_bits_to_f32(qb.to(tl.int32), MBITS, BIAS) * sinv[:, None]
+        # A non-finite update (the group held an Inf or NaN) keeps the residual from before the
+        # step (the reference's keep_finite_).
+        if RES_MODE == 1:
+            r_new = x - dq
+        else:
+            r_old = tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+            r_new = r_old + (x - dq) * res_scale
+        r_new = tl.where(tl.abs(r_new) < float("inf"), r_new, r_old)
+        tl.store(res_ptr + eoffs, r_new, mask=bmask[:, None])
+    if AMAX_MODE == 1 or AMAX_MODE == 2:
+        if pid * GB < ngroups:
+            gi = pid * GB + tl.arange(0, GB)
+            gm = gi < ngroups
+            if AMAX_MODE == 1:
+                gv = tl.load(amax_ptr + gi, mask=gm, other=0)
+                ga = gv.to(tl.int32).to(tl.float32, bitcast=True)   # low 32 bits: the amax
+                ga = tl.where((gv >> 32) == epoch, ga, 0.0)
+            else:
+                ga = tl.load(amax_ptr + gi, mask=gm, other=0.0)
+            _, gsinv = _scales(ga, FMAX, pre_scale)
+            grow = gi // G
+            tl.store(sc_ptr + grow * sc_stride + (gi - grow * G), gsinv, mask=gm)
+
+
+@triton.jit(do_not_specialize=["G", "nblocks", "bpc"])
+def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr, src_ptr, valid_ptr,
+                    nblocks, bpc, nvalid,
+                    FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, GROUPED: tl.constexpr,
+                    SEGMENTED: tl.constexpr, IDX64: tl.constexpr, CONTIG: tl.constexpr = False):
+    """``q * scale_inv`` per block of packed rows, into a dense fp32 buffer or (SEGMENTED) straight
+    into the unpadded bucket in its dtype, skipping padding."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BS)
+    b = pid * NB + tl.arange(0, NB)
+    if IDX64:
+        b = b.to(tl.int64)
+    bmask = b < nblocks
+    row = b // bpc
+    lb = b - row * bpc
+    if GROUPED:
+        gl = tl.load(grp_ptr + b, mask=bmask, other=0) - row * G
+    else:
+        gl = lb
+    q = tl.load(pay_ptr + row[:, None] * pay_stride + lb[:, None] * BS + cols[None, :], mask=bmask[:, None], other=0)
+    si = tl.load(sc_ptr + row * sc_stride + gl, mask=bmask, other=0.0)
+    v = q.to(FP8, bitcast=True).to(tl.float32) * si[:, None]
+    if CONTIG:  # one run from offset 0: plain stores of the first nvalid elements
+        eo = b[:, None] * BS + cols[None, :]
+        tl.store(out_ptr + eo, v.to(out_ptr.dtype.element_ty), mask=bmask[:, None] & (eo < nvalid))
+    elif SEGMENTED:
+        src = tl.load(src_ptr + b, mask=bmask, other=0)
+        nv = tl.load(valid_ptr + b, mask=bmask, other=0)
+        tl.store(out_ptr + src[:, None] + cols[None, :], v.to(out_ptr.dtype.element_ty),
+                 mask=cols[None, :] < nv[:, None])
+    else:
+        tl.store(out_ptr + b[:, None] * BS + cols[None, :], v, mask=bmask[:, None])

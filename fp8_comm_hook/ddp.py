@@ -1,0 +1,78 @@
+"""The DDP comm hook and its one-line entry point.
+
+No ``from __future__ import annotations`` here: DDP inspects the hook's signature (the second
+parameter must be named ``bucket`` and annotated types must be real classes).
+"""
+import logging
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import collectives, registry
+from .config import FP8CommConfig
+from .reduce import reduce_flat
+from .state import FP8CommState
+
+__all__ = ["fp8_hook", "register_ddp_hook"]
+
+log = logging.getLogger("fp8_comm_hook")
+
+
+def fp8_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average ``bucket`` over ranks with FP8 on the wire.
+
+    Register with ``ddp.register_comm_hook(FP8CommState(cfg), fp8_hook)`` or, better,
+    :func:`register_ddp_hook` (which also binds parameter names). Returns a Future holding the
+    bucket's averaged 1-D tensor, as DDP's hook contract requires. Raises TypeError when called
+    per parameter with a ``(grad, param)`` tuple (compiled DDP's python reducer), which it does not
+    support.
+    """
+    if isinstance(bucket, tuple):
+        raise TypeError("fp8_hook got a (grad, param) tuple: compiled DDP's python reducer calls comm hooks per "
+                        "parameter, which fp8_hook does not support (it compresses whole buckets); compile the "
+                        "model without torch._dynamo.config.optimize_ddp='python_reducer', or use eager DDP")
+    flat = bucket.buffer()
+    try:
+        work, finish = reduce_flat(state, flat, state.bucket_spec(bucket.parameters(), bucket.gradients(), flat),
+                                   async_op=True)
+    finally:
+        state.end_bucket(bucket.is_last())
+    return work.get_future().then(lambda fut: finish())
+
+
+def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, config: Optional[FP8CommConfig] = None,
+                      process_group=None) -> FP8CommState:
+    """Register :func:`fp8_hook` on ``ddp_model`` and return its :class:`FP8CommState`.
+
+    Binds parameter names (so residuals survive bucket rebuilds and resumes), checks that every rank
+    has the same config, and checks that ``nccl_fp8`` can run. Raises ``RuntimeError`` if a comm hook
+    is already registered, ``ValueError`` for a config that cannot run here.
+
+    Example::
+
+        model = DDP(net)
+        state = register_ddp_hook(model, FP8CommConfig(fp8_format="e4m3"))
+        ...  # train as usual; state.stats() reports bytes on the wire
+    """
+    if not isinstance(ddp_model, torch.nn.parallel.DistributedDataParallel):
+        raise TypeError(f"register_ddp_hook needs a DistributedDataParallel model, got {type(ddp_model).__name__}")
+    if registry.comm_state(ddp_model) is not None:
+        raise RuntimeError("a comm hook is already registered on this DDP model (register_ddp_hook was called "
+                           "before); DDP allows one hook per model")
+    pg = process_group if process_group is not None else ddp_model.process_group
+    state = FP8CommState(config, pg)
+    state.bind(ddp_model)
+    collectives.check_configs_match(state.config, pg)
+    if state.config.algorithm == "nccl_fp8":
+        collectives.check_nccl_fp8_supported(pg, registry.model_device(ddp_model))
+    try:
+        ddp_model.register_comm_hook(state, fp8_hook)
+    except RuntimeError as e:
+        if "once" in str(e):
+            raise RuntimeError("a comm hook is already registered on this DDP model; DDP allows one hook per "
+                               "model, so register_ddp_hook must be the only one") from e
+        raise
+    registry.record_state(ddp_model, state)
+    log.info("fp8_comm_hook: registered on DDP (world %d): %s", state.world_size, state.config)
+    return state

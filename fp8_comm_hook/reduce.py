@@ -1,0 +1,87 @@
+"""The one seam DDP and FSDP share: a flat gradient in, its mean (or this rank's shard of it) out.
+
+:func:`reduce_flat` (all-reduce: the DDP hook, FSDP1 NO_SHARD and :func:`all_reduce`) and
+:func:`reduce_scatter_flat` (FSDP1 sharded strategies, FSDP2) ask the state for the bucket's
+:class:`~fp8_comm_hook.state.BucketPlan` in one call and run the wire algorithm it names from
+:mod:`fp8_comm_hook.collectives`.
+"""
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from .config import FP8CommConfig
+from .layout import LayoutSpec
+from .state import FP8CommState
+
+__all__ = ["reduce_flat", "reduce_scatter_flat", "all_reduce"]
+
+
+def reduce_flat(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec, async_op: bool):
+    """Average ``flat`` over ``state``'s group with the algorithm the state picks for it; ``spec``
+    describes the bucket's layout. Returns what the collective functions return (``(work, finish)``
+    when ``async_op``, else ``flat``)."""
+    plan = state.prepare(flat, spec)
+    group, rec = state.group, state.stats_recorder
+    if plan.mode == "none":
+        return collectives.plain_all_reduce(flat, group, stats=rec, async_op=async_op)
+    if plan.mode == "nccl_fp8":
+        return collectives.nccl_fp8(flat, plan.layout, plan.codec, group, pre_scale=state.config.pre_scale,
+                                    stats=rec, residual=plan.residual, generator=plan.generator, async_op=async_op)
+    return collectives.two_shot(flat, plan.layout, plan.codec, group, stats=rec, residual=plan.residual,
+                                generator=plan.generator, async_op=async_op)
+
+
+def reduce_scatter_flat(state: FP8CommState, key: str, flat: torch.Tensor, out: torch.Tensor, group,
+                        average: bool) -> torch.Tensor:
+    """Reduce-scatter ``flat`` (W equal shards) into ``out`` (this rank's shard) over ``group`` with
+    the algorithm the state picks: the mean when ``average``, else the sum. ``key`` names the flat
+    gradient (residuals are kept per ``"<key>[r]"``). Returns ``out``; ``ValueError`` when ``out`` is
+    not 1/W of ``flat``."""
+    W = dist.get_world_size(group)
+    flat = flat.view(-1)
+    if out.numel() * W != flat.numel():
+        raise ValueError(f"reduce-scatter output of {out.numel()} elements is not 1/{W} of the "
+                         f"{flat.numel()}-element input")
+    plan = state.prepare(flat, LayoutSpec.shards(key, flat.numel(), W, dist.get_rank(group)), "reduce_scatter")
+    rec = state.stats_recorder
+    if plan.mode == "none":
+        return collectives.plain_reduce_scatter(flat, out, group, average=average, stats=rec)
+    if plan.mode == "nccl_fp8":
+        return collectives.nccl_fp8_reduce_scatter(flat, out, plan.layout, plan.codec, group, average=average,
+                                                   pre_scale=state.config.pre_scale, stats=rec,
+                                                   residual=plan.residual, generator=plan.generator)
+    return collectives.fp8_reduce_scatter(flat, out, plan.layout, plan.codec, group, average=average, stats=rec,
+                                          residual=plan.residual, generator=plan.generator)
+
+
+_ALL_REDUCE_STATES = {}
+
+
+def all_reduce(tensor: torch.Tensor, config: Optional[FP8CommConfig] = None, group=None) -> torch.Tensor:
+    """Average ``tensor`` over ``group`` in place through the same FP8 machinery as the hook (the
+    config's ``algorithm``, ``scaling`` and ``min_compress_numel`` apply; ``warmup_steps`` does not) and
+    return it. Layouts are cached per (config, group, shape, dtype, device); with
+    ``error_feedback=True`` the residual of a tensor of that shape carries over to the next call.
+
+    Example::
+
+        grad_norms = fp8_comm_hook.all_reduce(local_stats, FP8CommConfig(min_compress_numel=0))"""
+    config = config if config is not None else FP8CommConfig()
+    if not isinstance(config, FP8CommConfig):
+        raise TypeError(f"config must be an FP8CommConfig or None, got {type(config).__name__}")
+    if config.algorithm == "nccl_fp8":
+        collectives.check_nccl_fp8_supported(group, tensor.device)
+    key = (config.replace(warmup_steps=0), id(group) if group is not None else None)
+    state = _ALL_REDUCE_STATES.get(key)
+    if state is None:
+        state = _ALL_REDUCE_STATES[key] = FP8CommState(key[0], group)
+    flat = tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    try:
+        reduce_flat(state, flat, LayoutSpec.single(f"all_reduce:{tuple(tensor.shape)}:{flat.dtype}:{flat.device}", flat.numel()), async_op=False)
+    finally:
+        state.end_bucket(True)  # each call is a step: fresh stochastic-rounding draws, residual carried
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
