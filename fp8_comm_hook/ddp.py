@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from . import collectives, registry
 from .config import FP8CommConfig
-from .reduce import reduce_flat
+from .reduce import reduce_bucket
 from .state import FP8CommState
 
 __all__ = ["fp8_hook", "register_ddp_hook"]
@@ -34,11 +34,9 @@ def fp8_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
                         "model without torch._dynamo.config.optimize_ddp='python_reducer', or use eager DDP")
     flat = bucket.buffer()
     try:
-        work, finish = reduce_flat(state, flat, state.bucket_spec(bucket.parameters(), bucket.gradients(), flat),
-                                   async_op=True)
+        return reduce_bucket(state, flat, state.bucket_spec(bucket.parameters(), bucket.gradients(), flat))
     finally:
         state.end_bucket(bucket.is_last())
-    return work.get_future().then(lambda fut: finish())
 
 
 def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, config: Optional[FP8CommConfig] = None,

@@ -12,17 +12,22 @@ import torch.distributed as dist
 
 from . import collectives
 from .config import FP8CommConfig
-from .layout import LayoutSpec
+from .graphs import graphs_enabled
+from .layout import LayoutSpec, PooledLayout
 from .state import FP8CommState
+from .stats import fp8_sum_bytes, two_shot_bytes
 
-__all__ = ["reduce_flat", "reduce_scatter_flat", "all_reduce"]
+__all__ = ["reduce_flat", "reduce_bucket", "reduce_scatter_flat", "all_reduce"]
 
 
 def reduce_flat(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec, async_op: bool):
     """Average ``flat`` over ``state``'s group with the algorithm the state picks for it; ``spec``
     describes the bucket's layout. Returns what the collective functions return (``(work, finish)``
     when ``async_op``, else ``flat``)."""
-    plan = state.prepare(flat, spec)
+    return _dispatch(state, state.prepare(flat, spec), flat, async_op)
+
+
+def _dispatch(state: FP8CommState, plan, flat: torch.Tensor, async_op: bool):
     group, rec = state.group, state.stats_recorder
     if plan.mode == "none":
         return collectives.plain_all_reduce(flat, group, stats=rec, async_op=async_op)
@@ -31,6 +36,49 @@ def reduce_flat(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec, async
                                     stats=rec, residual=plan.residual, generator=plan.generator, async_op=async_op)
     return collectives.two_shot(flat, plan.layout, plan.codec, group, stats=rec, residual=plan.residual,
                                 generator=plan.generator, async_op=async_op)
+
+
+def _graphable(state: FP8CommState, plan, flat: torch.Tensor) -> bool:
+    """Whether this bucket's all-reduce can run as a captured CUDA graph (:mod:`fp8_comm_hook.graphs`):
+    CUDA tensors over NCCL, round-to-nearest, a fixed pre_scale for nccl_fp8, a non-pooled layout,
+    and a codec without host state that changes per call (the Triton codec's tensor/bucket scaling
+    passes a new amax epoch every call)."""
+    cfg = state.config
+    if not flat.is_cuda or state.backend != "nccl" or cfg.stochastic_rounding or not graphs_enabled():
+        return False
+    if plan.mode == "nccl_fp8" and cfg.pre_scale is None:
+        return False
+    if isinstance(plan.layout, PooledLayout):
+        return False
+    name = getattr(plan.codec, "name", "")
+    return name == "torch" or (name == "triton" and cfg.scaling == "block")
+
+
+def reduce_bucket(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec) -> torch.futures.Future:
+    """The DDP hook's form of :func:`reduce_flat`: average the bucket ``flat`` and return a Future of
+    it. Where it is exact (see :func:`_graphable`), the bucket's whole FP8 all-reduce is replayed as
+    a captured CUDA graph on a communication stream; otherwise the collectives are issued here, in
+    bucket order, and the Future's callback finishes the bucket."""
+    plan = state.prepare(flat, spec)
+    group, rec = state.group, state.stats_recorder
+    if plan.mode != "none" and _graphable(state, plan, flat):
+        L, codec, res, cfg = plan.layout, plan.codec, plan.residual, state.config
+        W = L.world_size
+        if plan.mode == "nccl_fp8":
+            def algorithm():
+                return collectives.nccl_fp8(flat, L, codec, group, pre_scale=cfg.pre_scale, stats=rec, residual=res)
+
+            nbytes = fp8_sum_bytes(L.padded_numel, L.groups.num_groups, W)
+        else:
+            def algorithm():
+                return collectives.two_shot(flat, L, codec, group, stats=rec, residual=res)
+
+            nbytes = two_shot_bytes(L.chunk_bytes, W)
+        return state.bucket_graphs().run(L, flat, (plan.mode, res is not None), algorithm,
+                                         on_replay=lambda: rec.add("bytes_sent", nbytes),
+                                         prepare_capture=lambda: rec.device_counters(flat.device))
+    work, finish = _dispatch(state, plan, flat, async_op=True)
+    return work.get_future().then(lambda fut: finish())
 
 
 def reduce_scatter_flat(state: FP8CommState, key: str, flat: torch.Tensor, out: torch.Tensor, group,

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from .codec import get_codec
 from .config import FP8CommConfig
+from .graphs import BucketGraphs
 from .layout import BucketLayout, LayoutSpec, PooledLayout
 from .stats import CommStats, ring_bytes
 
@@ -51,7 +52,7 @@ class FP8CommState:
 
     __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
                  "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
-                 "__weakref__")
+                 "_world", "_graphs", "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -69,6 +70,8 @@ class FP8CommState:
         self._bucket_in_step = 0
         self._pool: Dict[tuple, torch.Tensor] = {}   # buffers shared by pooled (FSDP) layouts
         self._step_open = False                      # an FSDP backward's step is open (end_unit)
+        self._world = None                           # (world size, rank, backend) of the group, read once
+        self._graphs: Optional[BucketGraphs] = None  # captured buckets (CUDA + NCCL), see bucket_graphs()
         self.layouts_built = 0                      # how many bucket layouts were derived (rebuilds add)
         self.loss_scale: Optional[float] = None     # the loss scale the residuals are in (set_loss_scale)
 
@@ -94,15 +97,32 @@ class FP8CommState:
         """The process group in use (the world group when none was given)."""
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
+    def _group_facts(self) -> tuple:
+        if self._world is None:
+            pg = self.process_group
+            self._world = (dist.get_world_size(pg), dist.get_rank(pg), dist.get_backend(pg))
+        return self._world
+
     @property
     def world_size(self) -> int:
         """Ranks in the group."""
-        return dist.get_world_size(self.process_group)
+        return self._group_facts()[0]
 
     @property
     def rank(self) -> int:
         """This process's rank in the group."""
-        return dist.get_rank(self.process_group)
+        return self._group_facts()[1]
+
+    @property
+    def backend(self) -> str:
+        """The group's backend ("nccl", "gloo", ...)."""
+        return self._group_facts()[2]
+
+    def bucket_graphs(self) -> BucketGraphs:
+        """The captured CUDA graphs of this state's DDP buckets (see :mod:`fp8_comm_hook.graphs`)."""
+        if self._graphs is None:
+            self._graphs = BucketGraphs()
+        return self._graphs
 
     # ------------------------------------------------------------------ per-step machinery
     def codec_for(self, device: torch.device):

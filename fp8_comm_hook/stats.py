@@ -64,13 +64,17 @@ class CommStats:
         """Add ``n`` to host counter ``key``."""
         self.host[key] += int(n)
 
+    def device_counters(self, device: torch.device) -> torch.Tensor:
+        """The int64 device counters of ``device`` (one per :attr:`DEVICE_KEYS`), allocated on first
+        use (a captured CUDA graph adds to them, so they must exist before capture)."""
+        buf = self._device.get(device)
+        if buf is None:
+            buf = self._device[device] = torch.zeros(len(self.DEVICE_KEYS), dtype=torch.int64, device=device)
+        return buf
+
     def add_device(self, key: str, value: torch.Tensor) -> None:
         """Add a device scalar (bool or int) to device counter ``key`` without synchronising."""
-        dev = value.device
-        buf = self._device.get(dev)
-        if buf is None:
-            buf = self._device[dev] = torch.zeros(len(self.DEVICE_KEYS), dtype=torch.int64, device=dev)
-        buf[self.DEVICE_KEYS.index(key)] += value.to(torch.int64)
+        self.device_counters(value.device)[self.DEVICE_KEYS.index(key)] += value.to(torch.int64)
 
     def as_dict(self) -> Dict[str, int]:
         """All counters as plain ints (reads the device counters: a synchronisation)."""

@@ -1,0 +1,110 @@
+"""A DDP bucket's whole FP8 all-reduce as one captured CUDA graph, replayed on a communication stream.
+
+On CUDA the eager hook spends about a millisecond of host time per bucket (Python, three kernel
+launches with many arguments, two collectives' Python paths, the statistics ops) while the device
+needs far less, so a backward pass waits on the host. A bucket's buffers are fixed per layout (the
+layout's own buffers, DDP's bucket buffer, the residual), so everything the algorithm launches —
+codec kernels, both NCCL collectives, the non-finite count — can be captured once and replayed with
+one host call. The graph runs the same kernels on the same buffers, so the bytes and the mean are
+exactly the eager path's.
+
+The replay goes to a dedicated stream that first waits for the compute stream (the gradients are
+ready), and the Future handed to DDP is CUDA-aware: DDP's later use of the bucket waits for the
+replay, while the backward of the next layers keeps running on the compute stream.
+
+Used only where it is exact and safe: CUDA tensors with an NCCL group (gloo collectives run on the
+host and cannot be captured), round-to-nearest (stochastic rounding draws a new seed each step), a
+fixed ``pre_scale`` for ``nccl_fp8`` (the automatic one is adapted on the host), DDP's own bucket
+buffers (``all_reduce`` gets new tensors every call) and non-pooled layouts (FSDP rebinds its pooled
+buffers). A bucket runs eagerly the first time (compiling kernels, building workspaces) and is
+captured the next time. ``FP8_COMM_CUDA_GRAPHS=0`` turns graphs off (for debugging; logged).
+"""
+import logging
+import os
+import weakref
+from typing import Callable, Dict, Optional
+
+import torch
+
+__all__ = ["BucketGraphs", "graphs_enabled"]
+
+log = logging.getLogger("fp8_comm_hook")
+
+_ENV = "FP8_COMM_CUDA_GRAPHS"
+
+
+def graphs_enabled() -> bool:
+    """False when the environment variable ``FP8_COMM_CUDA_GRAPHS`` is "0" (graphs are on by default)."""
+    return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class BucketGraphs:
+    """The captured graphs of one state's buckets and the stream they replay on.
+
+    :meth:`run` replays the graph of (layout, bucket buffer, variant) or, the first time, runs the
+    algorithm eagerly, and the second time captures it; returns the Future DDP waits on.
+    """
+
+    __slots__ = ("_graphs", "_seen", "_streams", "_logged")
+
+    def __init__(self):
+        # layout -> {key: CUDAGraph}; dropped with the layout (its buffers are what the graph points at).
+        self._graphs: "weakref.WeakKeyDictionary[object, Dict[tuple, torch.cuda.CUDAGraph]]" = \
+            weakref.WeakKeyDictionary()
+        self._seen: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
+        self._streams: Dict[torch.device, torch.cuda.Stream] = {}
+        self._logged = False
+
+    def captured(self) -> int:
+        """How many graphs are captured (one per bucket buffer and variant of live layouts)."""
+        return sum(len(g) for g in self._graphs.values())
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The communication stream of ``device`` (created once)."""
+        s = self._streams.get(device)
+        if s is None:
+            s = self._streams[device] = torch.cuda.Stream(device=device)
+        return s
+
+    def run(self, layout, flat: torch.Tensor, variant: tuple, algorithm: Callable[[], torch.Tensor],
+            on_replay: Callable[[], None], prepare_capture: Optional[Callable[[], None]] = None) -> torch.futures.Future:
+        """Run ``algorithm()`` (the bucket's synchronous all-reduce, leaving the mean in ``flat``) on
+        the communication stream after the compute stream's pending work: eagerly the first time
+        this (layout, ``flat``, ``variant``) is seen, captured into a CUDA graph and replayed from
+        then on. A replay does none of ``algorithm``'s host work: ``on_replay()`` runs instead (host
+        counters). ``prepare_capture()`` runs once before capturing (to allocate what the graph must
+        not). Returns a CUDA-aware Future holding ``flat``."""
+        device = flat.device
+        key = (flat.data_ptr(), flat.numel(), variant)
+        per_layout = self._graphs.get(layout)
+        graph = per_layout.get(key) if per_layout is not None else None
+        compute = torch.cuda.current_stream(device)
+        comm = self.stream(device)
+        comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            if graph is not None:
+                graph.replay()
+                on_replay()
+            else:
+                seen = self._seen.setdefault(layout, set())
+                if key not in seen:
+                    seen.add(key)
+                    algorithm()
+                else:
+                    if prepare_capture is not None:
+                        prepare_capture()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, stream=comm, capture_error_mode="thread_local"):
+                        algorithm()
+                    self._graphs.setdefault(layout, {})[key] = graph
+                    if not self._logged:
+                        self._logged = True
+                        log.info("fp8_comm_hook: buckets run as captured CUDA graphs on a communication stream "
+                                 "(%s=0 turns this off)", _ENV)
+                    graph.replay()
+            fut = torch.futures.Future(devices=[device])
+            fut.set_result(flat)
+        # The bucket buffer is DDP's and lives across steps; keep the caching allocator from
+        # handing its memory to the compute stream while the replay may still read it.
+        flat.record_stream(comm)
+        return fut
