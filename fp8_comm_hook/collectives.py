@@ -27,7 +27,7 @@ from .stats import (CommStats, fp8_reduce_scatter_bytes, fp8_sum_bytes, ring_all
 __all__ = ["two_shot", "nccl_fp8", "plain_all_reduce", "cast_all_reduce", "fp8_reduce_scatter",
            "nccl_fp8_reduce_scatter", "plain_reduce_scatter", "all_gather_into", "reduce_scatter_into",
            "check_nccl_fp8_supported", "check_configs_match", "bf16_all_reduce_works", "encode_shared_scales",
-           "count_saturated", "next_pre_scale", "adapt_pre_scale"]
+           "count_saturated", "next_pre_scale", "adapt_pre_scale", "new_side_group"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -320,3 +320,14 @@ def check_configs_match(config, group=None) -> None:
             diff = sorted(k for k in mine if mine[k] != other.get(k))
             raise ValueError(f"FP8CommConfig differs between ranks: rank {dist.get_rank(group)} and rank {r} "
                              f"disagree on {diff} ({ {k: mine[k] for k in diff} } vs { {k: other.get(k) for k in diff} })")
+
+
+def new_side_group(group=None):
+    """A new process group with the ranks and backend of ``group`` (default: the world group), for
+    collectives issued from another thread (see :mod:`fp8_comm_hook.worker`), or None when ``group``
+    does not span every rank: ``dist.new_group`` is a call every rank of the world must make, and a
+    rank outside ``group`` never gets here. Call it on every rank of ``group``."""
+    if dist.get_world_size(group) != dist.get_world_size():
+        return None
+    return dist.new_group(ranks=dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
+                          backend=dist.get_backend(group))

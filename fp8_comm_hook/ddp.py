@@ -4,6 +4,7 @@ No ``from __future__ import annotations`` here: DDP inspects the hook's signatur
 parameter must be named ``bucket`` and annotated types must be real classes).
 """
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -39,12 +40,40 @@ def fp8_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
         state.end_bucket(bucket.is_last())
 
 
+_WORKER_ENV = "FP8_COMM_WORKER"
+
+
+def _start_worker(state: FP8CommState, pg) -> None:
+    """On gloo, give the state a communication worker (:mod:`fp8_comm_hook.worker`) so that the
+    backward pass never waits on the wire; ``FP8_COMM_WORKER=0`` keeps the collectives on the hook's
+    thread. Every rank decides alike (same backend, same environment is expected; the side group's
+    creation is itself a collective)."""
+    if state.backend != "gloo":
+        return
+    if os.environ.get(_WORKER_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        log.info("fp8_comm_hook: %s=0: FP8 buckets run on the hook's thread", _WORKER_ENV)
+        return
+    if state.config.stochastic_rounding:
+        log.info("fp8_comm_hook: stochastic rounding reseeds a shared generator per bucket, so FP8 buckets run on "
+                 "the hook's thread (no communication worker)")
+        return
+    side = collectives.new_side_group(pg)
+    if side is None:
+        log.info("fp8_comm_hook: the process group does not span every rank; FP8 buckets run on the hook's thread "
+                 "(no communication worker)")
+        return
+    state.use_worker(side)
+
+
 def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, config: Optional[FP8CommConfig] = None,
                       process_group=None) -> FP8CommState:
     """Register :func:`fp8_hook` on ``ddp_model`` and return its :class:`FP8CommState`.
 
     Binds parameter names (so residuals survive bucket rebuilds and resumes), checks that every rank
-    has the same config, and checks that ``nccl_fp8`` can run. Raises ``RuntimeError`` if a comm hook
+    has the same config, and checks that ``nccl_fp8`` can run. On gloo it creates a second process
+    group with the same ranks for a communication worker thread (so the backward never waits on the
+    wire; ``FP8_COMM_WORKER=0`` turns it off); on CUDA with NCCL buckets run as captured CUDA graphs
+    on a communication stream (``FP8_COMM_CUDA_GRAPHS=0`` turns them off). Raises ``RuntimeError`` if a comm hook
     is already registered, ``ValueError`` for a config that cannot run here.
 
     Example::
@@ -64,6 +93,7 @@ def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, conf
     collectives.check_configs_match(state.config, pg)
     if state.config.algorithm == "nccl_fp8":
         collectives.check_nccl_fp8_supported(pg, registry.model_device(ddp_model))
+    _start_worker(state, pg)
     try:
         ddp_model.register_comm_hook(state, fp8_hook)
     except RuntimeError as e:

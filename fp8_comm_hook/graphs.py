@@ -45,7 +45,7 @@ class BucketGraphs:
     algorithm eagerly, and the second time captures it; returns the Future DDP waits on.
     """
 
-    __slots__ = ("_graphs", "_seen", "_streams", "_logged")
+    __slots__ = ("_graphs", "_seen", "_streams", "_events", "_compute", "_logged")
 
     def __init__(self):
         # layout -> {key: CUDAGraph}; dropped with the layout (its buffers are what the graph points at).
@@ -53,11 +53,32 @@ class BucketGraphs:
             weakref.WeakKeyDictionary()
         self._seen: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
         self._streams: Dict[torch.device, torch.cuda.Stream] = {}
+        self._events: Dict[torch.device, torch.cuda.Event] = {}
+        self._compute: Dict[int, torch.cuda.Stream] = {}   # stream id -> Stream object of a compute stream
         self._logged = False
 
     def captured(self) -> int:
         """How many graphs are captured (one per bucket buffer and variant of live layouts)."""
         return sum(len(g) for g in self._graphs.values())
+
+    def _first_runs(self, layout, key, comm, algorithm, prepare_capture) -> None:
+        """Eager the first time ``key`` is seen; captured (then replayed) the second time."""
+        seen = self._seen.setdefault(layout, set())
+        if key not in seen:
+            seen.add(key)
+            algorithm()
+            return
+        if prepare_capture is not None:
+            prepare_capture()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=comm, capture_error_mode="thread_local"):
+            algorithm()
+        self._graphs.setdefault(layout, {})[key] = graph
+        if not self._logged:
+            self._logged = True
+            log.info("fp8_comm_hook: buckets run as captured CUDA graphs on a communication stream "
+                     "(%s=0 turns this off)", _ENV)
+        graph.replay()
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The communication stream of ``device`` (created once)."""
@@ -78,32 +99,30 @@ class BucketGraphs:
         key = (flat.data_ptr(), flat.numel(), variant)
         per_layout = self._graphs.get(layout)
         graph = per_layout.get(key) if per_layout is not None else None
-        compute = torch.cuda.current_stream(device)
+        # The hook's host cost is the point here, so streams are switched with the raw calls that
+        # torch.cuda.stream() makes, without its per-call checks.
+        sid, didx, dtype = torch._C._cuda_getCurrentStream(device.index)
+        compute = self._compute.get(sid)
+        if compute is None:
+            compute = self._compute[sid] = torch.cuda.Stream(stream_id=sid, device_index=didx, device_type=dtype)
         comm = self.stream(device)
-        comm.wait_stream(compute)
-        with torch.cuda.stream(comm):
+        ready = self._events.get(device)
+        if ready is None:
+            ready = self._events[device] = torch.cuda.Event()
+        ready.record(compute)
+        comm.wait_event(ready)
+        torch._C._cuda_setStream(stream_id=comm.stream_id, device_index=comm.device_index,
+                                 device_type=comm.device_type)
+        try:
             if graph is not None:
                 graph.replay()
                 on_replay()
             else:
-                seen = self._seen.setdefault(layout, set())
-                if key not in seen:
-                    seen.add(key)
-                    algorithm()
-                else:
-                    if prepare_capture is not None:
-                        prepare_capture()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, stream=comm, capture_error_mode="thread_local"):
-                        algorithm()
-                    self._graphs.setdefault(layout, {})[key] = graph
-                    if not self._logged:
-                        self._logged = True
-                        log.info("fp8_comm_hook: buckets run as captured CUDA graphs on a communication stream "
-                                 "(%s=0 turns this off)", _ENV)
-                    graph.replay()
+                self._first_runs(layout, key, comm, algorithm, prepare_capture)
             fut = torch.futures.Future(devices=[device])
-            fut.set_result(flat)
+            fut.set_result(flat)   # records an event on the communication stream: DDP's use waits for it
+        finally:
+            torch._C._cuda_setStream(stream_id=sid, device_index=didx, device_type=dtype)
         # The bucket buffer is DDP's and lives across steps; keep the caching allocator from
         # handing its memory to the compute stream while the replay may still read it.
         flat.record_stream(comm)

@@ -27,8 +27,9 @@ def reduce_flat(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec, async
     return _dispatch(state, state.prepare(flat, spec), flat, async_op)
 
 
-def _dispatch(state: FP8CommState, plan, flat: torch.Tensor, async_op: bool):
-    group, rec = state.group, state.stats_recorder
+def _dispatch(state: FP8CommState, plan, flat: torch.Tensor, async_op: bool, group=None):
+    group = group if group is not None else state.group
+    rec = state.stats_recorder
     if plan.mode == "none":
         return collectives.plain_all_reduce(flat, group, stats=rec, async_op=async_op)
     if plan.mode == "nccl_fp8":
@@ -57,8 +58,10 @@ def _graphable(state: FP8CommState, plan, flat: torch.Tensor) -> bool:
 def reduce_bucket(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec) -> torch.futures.Future:
     """The DDP hook's form of :func:`reduce_flat`: average the bucket ``flat`` and return a Future of
     it. Where it is exact (see :func:`_graphable`), the bucket's whole FP8 all-reduce is replayed as
-    a captured CUDA graph on a communication stream; otherwise the collectives are issued here, in
-    bucket order, and the Future's callback finishes the bucket."""
+    a captured CUDA graph on a communication stream; where the state has a communication worker
+    (gloo, round-to-nearest), the bucket's FP8 all-reduce runs on that thread, in bucket order, and
+    this returns at once; otherwise the collectives are issued here, in bucket order, and the
+    Future's callback finishes the bucket."""
     plan = state.prepare(flat, spec)
     group, rec = state.group, state.stats_recorder
     if plan.mode != "none" and _graphable(state, plan, flat):
@@ -77,6 +80,11 @@ def reduce_bucket(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec) -> 
         return state.bucket_graphs().run(L, flat, (plan.mode, res is not None), algorithm,
                                          on_replay=lambda: rec.add("bytes_sent", nbytes),
                                          prepare_capture=lambda: rec.device_counters(flat.device))
+    worker = state.worker
+    if plan.mode != "none" and worker is not None and not state.config.stochastic_rounding:
+        side_group = worker[1]
+        return worker[0].submit(lambda: _dispatch(state, plan, flat, async_op=False, group=side_group),
+                                flat.device)
     work, finish = _dispatch(state, plan, flat, async_op=True)
     return work.get_future().then(lambda fut: finish())
 

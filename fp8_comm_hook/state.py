@@ -17,6 +17,7 @@ import torch.distributed as dist
 from .codec import get_codec
 from .config import FP8CommConfig
 from .graphs import BucketGraphs
+from .worker import CommWorker
 from .layout import BucketLayout, LayoutSpec, PooledLayout
 from .stats import CommStats, ring_bytes
 
@@ -52,7 +53,7 @@ class FP8CommState:
 
     __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
                  "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
-                 "_world", "_graphs", "__weakref__")
+                 "_world", "_graphs", "_worker", "_side_group", "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -72,6 +73,8 @@ class FP8CommState:
         self._step_open = False                      # an FSDP backward's step is open (end_unit)
         self._world = None                           # (world size, rank, backend) of the group, read once
         self._graphs: Optional[BucketGraphs] = None  # captured buckets (CUDA + NCCL), see bucket_graphs()
+        self._worker: Optional[CommWorker] = None    # gloo: the thread that runs FP8 buckets, see use_worker()
+        self._side_group = None                      # ... and the process group it issues them on
         self.layouts_built = 0                      # how many bucket layouts were derived (rebuilds add)
         self.loss_scale: Optional[float] = None     # the loss scale the residuals are in (set_loss_scale)
 
@@ -117,6 +120,20 @@ class FP8CommState:
     def backend(self) -> str:
         """The group's backend ("nccl", "gloo", ...)."""
         return self._group_facts()[2]
+
+    def use_worker(self, side_group) -> None:
+        """Run FP8 buckets on a :class:`~fp8_comm_hook.worker.CommWorker` thread, issuing their
+        collectives on ``side_group`` (same ranks as the state's group; see
+        :func:`fp8_comm_hook.collectives.new_side_group`). ``None`` turns the worker off."""
+        if self._worker is not None:
+            self._worker.close()
+        self._side_group = side_group
+        self._worker = CommWorker() if side_group is not None else None
+
+    @property
+    def worker(self):
+        """``(worker, side group)`` when FP8 buckets run on a communication worker, else None."""
+        return (self._worker, self._side_group) if self._worker is not None else None
 
     def bucket_graphs(self) -> BucketGraphs:
         """The captured CUDA graphs of this state's DDP buckets (see :mod:`fp8_comm_hook.graphs`)."""

@@ -1,5 +1,6 @@
 """Counters of what the hooks sent (cumulative since registration) and every byte formula: what one
 rank sends in each wire algorithm and in the uncompressed baselines it is compared with."""
+import threading
 from typing import Dict
 
 import torch
@@ -59,10 +60,12 @@ class CommStats:
         self.host: Dict[str, int] = {k: 0 for k in self.HOST_KEYS}
         self._device: Dict[torch.device, torch.Tensor] = {}
         self._restored = {k: 0 for k in self.DEVICE_KEYS}
+        self._lock = threading.Lock()  # the hook thread and a communication worker both add
 
     def add(self, key: str, n: int) -> None:
         """Add ``n`` to host counter ``key``."""
-        self.host[key] += int(n)
+        with self._lock:
+            self.host[key] += int(n)
 
     def device_counters(self, device: torch.device) -> torch.Tensor:
         """The int64 device counters of ``device`` (one per :attr:`DEVICE_KEYS`), allocated on first
@@ -74,7 +77,8 @@ class CommStats:
 
     def add_device(self, key: str, value: torch.Tensor) -> None:
         """Add a device scalar (bool or int) to device counter ``key`` without synchronising."""
-        self.device_counters(value.device)[self.DEVICE_KEYS.index(key)] += value.to(torch.int64)
+        with self._lock:
+            self.device_counters(value.device)[self.DEVICE_KEYS.index(key)] += value.to(torch.int64)
 
     def as_dict(self) -> Dict[str, int]:
         """All counters as plain ints (reads the device counters: a synchronisation)."""

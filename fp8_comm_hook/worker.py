@@ -1,0 +1,79 @@
+"""A communication worker: one thread that runs buckets' FP8 all-reduces in the order they were handed
+to it, so the autograd thread never blocks on the wire.
+
+On gloo every collective is a host-side exchange: the eager hook waits for its all-to-all inside the
+backward pass, so the next layers' gradients wait for the network. The worker takes each bucket as
+the hook sees it and returns at once with a Future; the bucket's whole algorithm (encode, all-to-all,
+reduce, all-gather, decode) runs on the worker thread while autograd goes on. One thread, one queue:
+buckets are exchanged in the order DDP hands them over, the same on every rank. The collectives are
+issued from this thread, never from a Future callback (gloo can deadlock on collectives issued from
+its callbacks once several buckets are in flight), and on a process group of their own, so that they
+cannot interleave with collectives the training issues on the data-parallel group meanwhile.
+"""
+import queue
+import threading
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["CommWorker"]
+
+
+def _serve(jobs: "queue.SimpleQueue") -> None:
+    """The worker thread's loop: run each job, hand its result or error to its Future; None stops."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fn, fut, ready = job
+        try:
+            if ready is not None:  # CUDA tensors: start after the kernels that wrote the bucket
+                torch.cuda.current_stream(ready[1]).wait_event(ready[0])
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the Future DDP waits on
+            fut.set_exception(e)
+
+
+class CommWorker:
+    """A daemon thread running submitted jobs one after another, in submission order.
+
+    :meth:`submit` returns a Future completed with the job's return value (or its exception). The
+    thread starts on the first job and stops when the worker is closed or garbage-collected.
+    """
+
+    __slots__ = ("_jobs", "_thread", "name", "__weakref__")
+
+    def __init__(self, name: str = "fp8-comm"):
+        self.name = name
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, fn: Callable[[], torch.Tensor], device: Optional[torch.device] = None) -> torch.futures.Future:
+        """Queue ``fn`` (returning the reduced tensor); returns its Future. With a CUDA ``device``,
+        ``fn`` starts only after the work queued so far on the caller's current stream, and the
+        Future is CUDA-aware (its users wait for ``fn``'s kernels)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=self.name, daemon=True)
+            self._thread.start()
+        ready = None
+        if device is not None and device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(device))
+            ready = (ev, device)
+            fut = torch.futures.Future(devices=[device])
+        else:
+            fut = torch.futures.Future()
+        self._jobs.put((fn, fut, ready))
+        return fut
+
+    def close(self) -> None:
+        """Let the thread finish the queued jobs and stop."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
