@@ -27,7 +27,7 @@ from .stats import (CommStats, fp8_reduce_scatter_bytes, fp8_sum_bytes, ring_all
 __all__ = ["two_shot", "nccl_fp8", "plain_all_reduce", "cast_all_reduce", "fp8_reduce_scatter",
            "nccl_fp8_reduce_scatter", "plain_reduce_scatter", "all_gather_into", "reduce_scatter_into",
            "check_nccl_fp8_supported", "check_configs_match", "bf16_all_reduce_works", "encode_shared_scales",
-           "count_saturated", "next_pre_scale", "adapt_pre_scale", "new_side_group"]
+           "count_saturated", "next_pre_scale", "adapt_pre_scale", "auto_pre_scale_step", "new_side_group"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -121,8 +121,21 @@ def adapt_pre_scale(layout: BucketLayout, world_size: int) -> float:
     ps = layout.auto_pre_scale
     if ps is None:
         return 1.0 / math.sqrt(world_size)
-    sat = layout.saturated_last
-    return next_pre_scale(ps, int(sat.item()) if sat is not None else 0, layout.padded_numel, world_size)
+    sat = layout.last_saturation()
+    return next_pre_scale(ps, sat or 0, layout.padded_numel, world_size)
+
+
+def auto_pre_scale_step(layout: BucketLayout) -> float:
+    """Adapt ``layout``'s automatic pre_scale for this step (:func:`adapt_pre_scale`), record it on
+    the layout and return it. Called once per FP8 sum, before it is encoded."""
+    return layout.set_auto_pre_scale(adapt_pre_scale(layout, layout.world_size))
+
+
+def _publish_saturation(layout: BucketLayout) -> None:
+    # Inside a CUDA graph capture nothing is copied to the host: the replay's caller publishes.
+    if layout.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    layout.publish_saturation()
 
 
 def encode_shared_scales(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *,
@@ -136,10 +149,7 @@ def encode_shared_scales(flat: torch.Tensor, layout: BucketLayout, codec, group=
     reduce-scatter (its output shard is allocated too). Returns the shared scale_inv
     ([W, groups_per_chunk] fp32, pre-scale included)."""
     L, W, C = layout, layout.world_size, layout.chunk_numel
-    if pre_scale is None:
-        ps = L.auto_pre_scale = adapt_pre_scale(L, W)
-    else:
-        ps = float(pre_scale)
+    ps = auto_pre_scale_step(L) if pre_scale is None else float(pre_scale)
     x = L.gather_from(flat)
     if residual is not None:
         x.add_(residual)
@@ -155,13 +165,15 @@ def encode_shared_scales(flat: torch.Tensor, layout: BucketLayout, codec, group=
     return sinv
 
 
-def count_saturated(wire: torch.Tensor, dequantized: torch.Tensor, fmt) -> torch.Tensor:
+def count_saturated(wire: torch.Tensor, dequantized: torch.Tensor, fmt, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """How many values of an FP8 sum (``wire``, uint8 bytes of ``fmt``) sit at +-fmax, counting only
     scale groups with a finite scale (where ``dequantized``, the same values times scale_inv, is not
     NaN): a group that held an Inf or NaN is reported as non-finite, not as saturation, so it does
-    not halve the automatic pre_scale. Returns a device scalar (no synchronisation)."""
+    not halve the automatic pre_scale. Returns a device int64 scalar (``out`` when given; no
+    synchronisation)."""
     q = wire.reshape(-1).view(fmt.dtype).float()
-    return ((q.abs() >= fmt.fmax) & ~torch.isnan(dequantized[:q.numel()])).sum()
+    mask = (q.abs() >= fmt.fmax) & ~torch.isnan(dequantized[:q.numel()])
+    return mask.sum() if out is None else torch.sum(mask, out=out)
 
 
 def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre_scale: Optional[float] = None,
@@ -181,8 +193,8 @@ def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre
 
     def finish() -> torch.Tensor:
         codec.dequantize(L.fp8_wire, sinv, L.groups, L.work, L.block_scale)
-        sat = count_saturated(L.fp8_wire, L.work, fmt)
-        L.saturated_last = sat
+        sat = count_saturated(L.fp8_wire, L.work, fmt, out=L.saturation_buffer())
+        _publish_saturation(L)
         if stats is not None:
             stats.add_device("saturated_values", sat)
         L.work.div_(W)
@@ -280,8 +292,8 @@ def nccl_fp8_reduce_scatter(flat: torch.Tensor, out: torch.Tensor, layout: Bucke
     own_sinv = sinv[L.rank][None]
     codec.dequantize(L.fp8_out[None], own_sinv, L.own_groups, L.work, L.block_scale)
     shard = L.work[:C]
-    sat = count_saturated(L.fp8_out, shard, fmt)
-    L.saturated_last = sat
+    sat = count_saturated(L.fp8_out, shard, fmt, out=L.saturation_buffer())
+    _publish_saturation(L)
     if average:
         shard.div_(W)
     if stats is not None:

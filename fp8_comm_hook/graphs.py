@@ -13,11 +13,12 @@ ready), and the Future handed to DDP is CUDA-aware: DDP's later use of the bucke
 replay, while the backward of the next layers keeps running on the compute stream.
 
 Used only where it is exact and safe: CUDA tensors with an NCCL group (gloo collectives run on the
-host and cannot be captured), round-to-nearest (stochastic rounding draws a new seed each step), a
-fixed ``pre_scale`` for ``nccl_fp8`` (the automatic one is adapted on the host), DDP's own bucket
-buffers (``all_reduce`` gets new tensors every call) and non-pooled layouts (FSDP rebinds its pooled
+host and cannot be captured), round-to-nearest (stochastic rounding draws a new seed each step), DDP's
+own bucket buffers (``all_reduce`` gets new tensors every call) and non-pooled layouts (FSDP rebinds its pooled
 buffers). A bucket runs eagerly the first time (compiling kernels, building workspaces) and is
-captured the next time. ``FP8_COMM_CUDA_GRAPHS=0`` turns graphs off (for debugging; logged).
+captured the next time. ``nccl_fp8``'s automatic ``pre_scale`` is adapted on the host before each
+step (from the last sum's saturation count, copied to the host without stalling the stream) and
+selects one graph per value it takes; it steadies at 1 or a halving of it. ``FP8_COMM_CUDA_GRAPHS=0`` turns graphs off (for debugging; logged).
 """
 import logging
 import os
@@ -47,6 +48,10 @@ class BucketGraphs:
 
     __slots__ = ("_graphs", "_seen", "_streams", "_events", "_compute", "_logged")
 
+    #: Graphs kept per layout (variants: buffers, error feedback, nccl_fp8's pre_scale values); past
+    #: it, new variants run eagerly.
+    MAX_VARIANTS = 32
+
     def __init__(self):
         # layout -> {key: CUDAGraph}; dropped with the layout (its buffers are what the graph points at).
         self._graphs: "weakref.WeakKeyDictionary[object, Dict[tuple, torch.cuda.CUDAGraph]]" = \
@@ -61,13 +66,14 @@ class BucketGraphs:
         """How many graphs are captured (one per bucket buffer and variant of live layouts)."""
         return sum(len(g) for g in self._graphs.values())
 
-    def _first_runs(self, layout, key, comm, algorithm, prepare_capture) -> None:
-        """Eager the first time ``key`` is seen; captured (then replayed) the second time."""
+    def _first_runs(self, layout, key, comm, algorithm, prepare_capture) -> bool:
+        """Eager the first time ``key`` is seen; captured (then replayed) the second time, unless the
+        layout already has :attr:`MAX_VARIANTS` graphs (then eager). Returns whether it replayed."""
         seen = self._seen.setdefault(layout, set())
-        if key not in seen:
+        if key not in seen or len(self._graphs.get(layout, ())) >= self.MAX_VARIANTS:
             seen.add(key)
             algorithm()
-            return
+            return False
         if prepare_capture is not None:
             prepare_capture()
         graph = torch.cuda.CUDAGraph()
@@ -79,6 +85,7 @@ class BucketGraphs:
             log.info("fp8_comm_hook: buckets run as captured CUDA graphs on a communication stream "
                      "(%s=0 turns this off)", _ENV)
         graph.replay()
+        return True
 
     def stream(self, device: torch.device) -> torch.cuda.Stream:
         """The communication stream of ``device`` (created once)."""
@@ -88,13 +95,15 @@ class BucketGraphs:
         return s
 
     def run(self, layout, flat: torch.Tensor, variant: tuple, algorithm: Callable[[], torch.Tensor],
-            on_replay: Callable[[], None], prepare_capture: Optional[Callable[[], None]] = None) -> torch.futures.Future:
+            on_replay: Callable[[], None], prepare_capture: Optional[Callable[[], None]] = None,
+            after_replay: Optional[Callable[[], None]] = None) -> torch.futures.Future:
         """Run ``algorithm()`` (the bucket's synchronous all-reduce, leaving the mean in ``flat``) on
         the communication stream after the compute stream's pending work: eagerly the first time
         this (layout, ``flat``, ``variant``) is seen, captured into a CUDA graph and replayed from
         then on. A replay does none of ``algorithm``'s host work: ``on_replay()`` runs instead (host
         counters). ``prepare_capture()`` runs once before capturing (to allocate what the graph must
-        not). Returns a CUDA-aware Future holding ``flat``."""
+        not); ``after_replay()`` after every replay, on the communication stream (to queue copies the
+        host reads later). Returns a CUDA-aware Future holding ``flat``."""
         device = flat.device
         key = (flat.data_ptr(), flat.numel(), variant)
         per_layout = self._graphs.get(layout)
@@ -117,8 +126,11 @@ class BucketGraphs:
             if graph is not None:
                 graph.replay()
                 on_replay()
+                replayed = True
             else:
-                self._first_runs(layout, key, comm, algorithm, prepare_capture)
+                replayed = self._first_runs(layout, key, comm, algorithm, prepare_capture)
+            if replayed and after_replay is not None:
+                after_replay()
             fut = torch.futures.Future(devices=[device])
             fut.set_result(flat)   # records an event on the communication stream: DDP's use waits for it
         finally:

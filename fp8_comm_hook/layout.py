@@ -78,8 +78,9 @@ class BucketLayout:
         "gather_in", "gather_out",
         # allocated on first use: error feedback, the FP8 sum's wire, its shared scales and its output shard
         "residual", "fp8_wire", "fp8_scale_inv", "fp8_out",
-        # the automatic pre_scale of an FP8 sum: this step's factor and the last sum's saturation count
-        "auto_pre_scale", "saturated_last",
+        # the automatic pre_scale of an FP8 sum: this step's factor, the last sum's saturation count
+        # (on the device) and its copy on the host with the event that says the copy is complete
+        "auto_pre_scale", "saturated_last", "saturated_host", "saturated_ready",
         "__weakref__",
     )
 
@@ -167,6 +168,8 @@ class BucketLayout:
         self.fp8_out: Optional[torch.Tensor] = None        # FP8 reduce-scatter output shard: ensure_fp8_sum()
         self.auto_pre_scale: Optional[float] = None
         self.saturated_last: Optional[torch.Tensor] = None
+        self.saturated_host: Optional[torch.Tensor] = None
+        self.saturated_ready = None
 
     # ------------------------------------------------------------------ views
     @staticmethod
@@ -194,6 +197,40 @@ class BucketLayout:
             self.fp8_scale_inv = torch.empty(self.groups.num_groups, dtype=torch.float32, device=self.device)
         if scatter and self.fp8_out is None:
             self.fp8_out = torch.empty(self.chunk_numel, dtype=torch.uint8, device=self.device)
+
+    # ------------------------------------------------------------------ the automatic pre_scale's state
+    def set_auto_pre_scale(self, pre_scale: float) -> float:
+        """Record this step's automatic pre_scale; returns it."""
+        self.auto_pre_scale = float(pre_scale)
+        return self.auto_pre_scale
+
+    def saturation_buffer(self) -> torch.Tensor:
+        """The device int64 scalar an FP8 sum writes its saturation count into (allocated once, so a
+        captured CUDA graph writes the same memory every replay)."""
+        if self.saturated_last is None:
+            self.saturated_last = torch.zeros((), dtype=torch.int64, device=self.device)
+        return self.saturated_last
+
+    def publish_saturation(self) -> None:
+        """Start copying the saturation count to the host (CUDA: a non-blocking copy into pinned
+        memory and an event), so that the next step reads it without stalling the stream."""
+        if self.device.type != "cuda" or self.saturated_last is None:
+            return
+        if self.saturated_host is None:
+            self.saturated_host = torch.zeros((), dtype=torch.int64, pin_memory=True)
+            self.saturated_ready = torch.cuda.Event()
+        self.saturated_host.copy_(self.saturated_last, non_blocking=True)
+        self.saturated_ready.record()
+
+    def last_saturation(self) -> Optional[int]:
+        """The saturation count of the last FP8 sum (None before the first). On CUDA it waits only for
+        the copy :meth:`publish_saturation` started, which finished with the last step."""
+        if self.saturated_ready is not None:
+            self.saturated_ready.synchronize()
+            return int(self.saturated_host)
+        if self.saturated_last is None:
+            return None
+        return int(self.saturated_last.item())
 
     # ------------------------------------------------------------------ data movement
     def gather_from(self, flat: torch.Tensor) -> torch.Tensor:

@@ -41,13 +41,10 @@ def _dispatch(state: FP8CommState, plan, flat: torch.Tensor, async_op: bool, gro
 
 def _graphable(state: FP8CommState, plan, flat: torch.Tensor) -> bool:
     """Whether this bucket's all-reduce can run as a captured CUDA graph (:mod:`fp8_comm_hook.graphs`):
-    CUDA tensors over NCCL, round-to-nearest, a fixed pre_scale for nccl_fp8, a non-pooled layout,
-    and a codec without host state that changes per call (the Triton codec's tensor/bucket scaling
-    passes a new amax epoch every call)."""
+    CUDA tensors over NCCL, round-to-nearest, a non-pooled layout, and a codec without host state that
+    changes per call (the Triton codec's tensor/bucket scaling passes a new amax epoch every call)."""
     cfg = state.config
     if not flat.is_cuda or state.backend != "nccl" or cfg.stochastic_rounding or not graphs_enabled():
-        return False
-    if plan.mode == "nccl_fp8" and cfg.pre_scale is None:
         return False
     if isinstance(plan.layout, PooledLayout):
         return False
@@ -67,19 +64,28 @@ def reduce_bucket(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec) -> 
     if plan.mode != "none" and _graphable(state, plan, flat):
         L, codec, res, cfg = plan.layout, plan.codec, plan.residual, state.config
         W = L.world_size
+        after_replay = None
         if plan.mode == "nccl_fp8":
+            # The automatic pre_scale is adapted here, on the host, from the last sum's saturation
+            # count; each value it takes is a variant of the graph (it steadies at 1 or a halving of it).
+            ps = cfg.pre_scale if cfg.pre_scale is not None else collectives.auto_pre_scale_step(L)
+
             def algorithm():
-                return collectives.nccl_fp8(flat, L, codec, group, pre_scale=cfg.pre_scale, stats=rec, residual=res)
+                return collectives.nccl_fp8(flat, L, codec, group, pre_scale=ps, stats=rec, residual=res)
 
             nbytes = fp8_sum_bytes(L.padded_numel, L.groups.num_groups, W)
+            variant = (plan.mode, res is not None, ps)
+            after_replay = L.publish_saturation
         else:
             def algorithm():
                 return collectives.two_shot(flat, L, codec, group, stats=rec, residual=res)
 
             nbytes = two_shot_bytes(L.chunk_bytes, W)
-        return state.bucket_graphs().run(L, flat, (plan.mode, res is not None), algorithm,
+            variant = (plan.mode, res is not None)
+        return state.bucket_graphs().run(L, flat, variant, algorithm,
                                          on_replay=lambda: rec.add("bytes_sent", nbytes),
-                                         prepare_capture=lambda: rec.device_counters(flat.device))
+                                         prepare_capture=lambda: rec.device_counters(flat.device),
+                                         after_replay=after_replay)
     worker = state.worker
     if plan.mode != "none" and worker is not None and not state.config.stochastic_rounding:
         side_group = worker[1]

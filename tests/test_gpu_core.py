@@ -120,7 +120,8 @@ def test_nccl_fp8_error_feedback_after_inf_world1(nccl_world1, backend):
     assert hit["residual_finite"] and hit["pre_scale"] == clean["pre_scale"], (hit, clean)
 
 
-@pytest.mark.parametrize("variant", ["two_shot", "two_shot_ef", "torch_codec", "nccl_fp8_fixed_pre_scale"])
+@pytest.mark.parametrize("variant", ["two_shot", "two_shot_ef", "torch_codec", "nccl_fp8_fixed_pre_scale",
+                                     "nccl_fp8_auto_pre_scale"])
 def test_ddp_cuda_graphs_match_eager(nccl_world1, monkeypatch, variant):
     """A bucket replayed as a captured CUDA graph gives exactly the eager path's mean, step after step
     (error feedback carried, an Inf step counted as non-finite), and the same statistics."""
@@ -130,7 +131,11 @@ def test_ddp_cuda_graphs_match_eager(nccl_world1, monkeypatch, variant):
     if variant.startswith("nccl_fp8") and torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("nccl_fp8 needs an sm90+ GPU")
     kw = {"two_shot": {}, "two_shot_ef": dict(error_feedback=True), "torch_codec": dict(backend="torch"),
-          "nccl_fp8_fixed_pre_scale": dict(algorithm="nccl_fp8", pre_scale=0.5)}[variant]
+          "nccl_fp8_fixed_pre_scale": dict(algorithm="nccl_fp8", pre_scale=0.5),
+          "nccl_fp8_auto_pre_scale": dict(algorithm="nccl_fp8", error_feedback=True)}[variant]
+    # The automatic pre_scale cycles (1 saturates at world 1, halves, grows back by 5% a step): its
+    # values repeat after 16 steps, when their graphs are captured.
+    steps = 40 if variant == "nccl_fp8_auto_pre_scale" else 6
     runs = {}
     for graphs in ("1", "0"):
         monkeypatch.setenv("FP8_COMM_CUDA_GRAPHS", graphs)
@@ -140,19 +145,21 @@ def test_ddp_cuda_graphs_match_eager(nccl_world1, monkeypatch, variant):
         state = register_ddp_hook(model, FP8CommConfig(min_compress_numel=0, **kw))
         g = torch.Generator(device="cuda").manual_seed(1)
         grads = []
-        for step in range(6):
-            x = torch.randn(32, 256, device="cuda", generator=g) * (1 + step)
+        for step in range(steps):
+            x = torch.randn(32, 256, device="cuda", generator=g) * (1 + step % 6)
             if step == 3:
                 x[0, 5] = float("inf")
             model(x).square().mean().backward()
             torch.cuda.synchronize()
             grads.append([p.grad.detach().clone() for p in model.parameters()])
             model.zero_grad(set_to_none=False)
-        runs[graphs] = (grads, state.stats(), state.bucket_graphs().captured())
-    (g1, s1, n1), (g0, s0, n0) = runs["1"], runs["0"]
+        runs[graphs] = (grads, state.stats(), state.bucket_graphs().captured(),
+                        [L.auto_pre_scale for L in state.live_layouts()])
+    (g1, s1, n1, ps1), (g0, s0, n0, ps0) = runs["1"], runs["0"]
     assert n1 > 0 and n0 == 0, (n1, n0)
+    assert ps1 == ps0
     for step, (a, b) in enumerate(zip(g1, g0)):
         for ta, tb in zip(a, b):
             torch.testing.assert_close(ta, tb, rtol=0, atol=0, equal_nan=True, msg=f"step {step}")
     assert s1 == s0
-    assert s1["steps"] == 6 and s1["nonfinite_buckets"] >= 1 and s1["compressed_buckets"] >= 6
+    assert s1["steps"] == steps and s1["nonfinite_buckets"] >= 1 and s1["compressed_buckets"] >= steps

@@ -125,9 +125,6 @@ ALLOWED_FOREIGN_SETATTR = {
     # FSDP1's register_comm_hook gives every unit one state object and no per-unit API: each unit's
     # hook state (FSDP1's own attribute, which it passes to the hook) is replaced by one naming the unit.
     ("fsdp", "m._comm_hook_state"),
-    # The automatic pre_scale's state: declared slots of BucketLayout, set by the FP8 sum that owns them.
-    ("collectives", "L.auto_pre_scale"),
-    ("collectives", "L.saturated_last"),
 }
 
 
