@@ -173,7 +173,7 @@ def count_saturated(wire: torch.Tensor, dequantized: torch.Tensor, fmt, out: Opt
     synchronisation)."""
     q = wire.reshape(-1).view(fmt.dtype).float()
     mask = (q.abs() >= fmt.fmax) & ~torch.isnan(dequantized[:q.numel()])
-    return mask.sum() if out is None else torch.sum(mask, out=out)
+    return mask.sum() if out is None else torch.sum(mask.reshape(-1), dim=0, out=out)
 
 
 def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre_scale: Optional[float] = None,

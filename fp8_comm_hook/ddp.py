@@ -35,7 +35,7 @@ def fp8_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
                         "model without torch._dynamo.config.optimize_ddp='python_reducer', or use eager DDP")
     flat = bucket.buffer()
     try:
-        return reduce_bucket(state, flat, state.bucket_spec(bucket.parameters(), bucket.gradients(), flat))
+        return reduce_bucket(state, flat, state.bucket_spec(bucket.parameters(), bucket.gradients, flat))
     finally:
         state.end_bucket(bucket.is_last())
 

@@ -46,7 +46,7 @@ class BucketGraphs:
     algorithm eagerly, and the second time captures it; returns the Future DDP waits on.
     """
 
-    __slots__ = ("_graphs", "_seen", "_streams", "_events", "_compute", "_logged")
+    __slots__ = ("_graphs", "_seen", "_streams", "_events", "_compute", "_logged", "enabled")
 
     #: Graphs kept per layout (variants: buffers, error feedback, nccl_fp8's pre_scale values); past
     #: it, new variants run eagerly.
@@ -61,6 +61,9 @@ class BucketGraphs:
         self._events: Dict[torch.device, torch.cuda.Event] = {}
         self._compute: Dict[int, torch.cuda.Stream] = {}   # stream id -> Stream object of a compute stream
         self._logged = False
+        self.enabled = graphs_enabled()   # read once: the hook path does not look at the environment
+        if not self.enabled:
+            log.info("fp8_comm_hook: %s=0: CUDA graphs off, buckets run eagerly", _ENV)
 
     def captured(self) -> int:
         """How many graphs are captured (one per bucket buffer and variant of live layouts)."""

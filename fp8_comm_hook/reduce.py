@@ -12,7 +12,6 @@ import torch.distributed as dist
 
 from . import collectives
 from .config import FP8CommConfig
-from .graphs import graphs_enabled
 from .layout import LayoutSpec, PooledLayout
 from .state import FP8CommState
 from .stats import fp8_sum_bytes, two_shot_bytes
@@ -44,7 +43,7 @@ def _graphable(state: FP8CommState, plan, flat: torch.Tensor) -> bool:
     CUDA tensors over NCCL, round-to-nearest, a non-pooled layout, and a codec without host state that
     changes per call (the Triton codec's tensor/bucket scaling passes a new amax epoch every call)."""
     cfg = state.config
-    if not flat.is_cuda or state.backend != "nccl" or cfg.stochastic_rounding or not graphs_enabled():
+    if not flat.is_cuda or state.backend != "nccl" or cfg.stochastic_rounding or not state.bucket_graphs().enabled:
         return False
     if isinstance(plan.layout, PooledLayout):
         return False

@@ -53,7 +53,7 @@ class FP8CommState:
 
     __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
                  "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
-                 "_world", "_graphs", "_worker", "_side_group", "__weakref__")
+                 "_world", "_graphs", "_worker", "_side_group", "_specs", "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -75,6 +75,7 @@ class FP8CommState:
         self._graphs: Optional[BucketGraphs] = None  # captured buckets (CUDA + NCCL), see bucket_graphs()
         self._worker: Optional[CommWorker] = None    # gloo: the thread that runs FP8 buckets, see use_worker()
         self._side_group = None                      # ... and the process group it issues them on
+        self._specs: Dict[tuple, LayoutSpec] = {}    # (parameter keys, buffer address, numel) -> DDP bucket spec
         self.layouts_built = 0                      # how many bucket layouts were derived (rebuilds add)
         self.loss_scale: Optional[float] = None     # the loss scale the residuals are in (set_loss_scale)
 
@@ -163,12 +164,23 @@ class FP8CommState:
         g.manual_seed((mix * 8191 + self.rank) & 0x7FFF_FFFF_FFFF_FFFF)
         return g
 
-    def bucket_spec(self, params: List[torch.Tensor], grads: List[torch.Tensor], flat: torch.Tensor) -> LayoutSpec:
-        """The :class:`LayoutSpec` of a DDP bucket holding ``params``, whose gradients ``grads`` are
-        views of ``flat`` (keyed by parameter name after :meth:`bind`)."""
-        esize, base = flat.element_size(), flat.data_ptr()
-        return LayoutSpec(tuple(self._key(p) for p in params), tuple(g.numel() for g in grads),
-                          tuple((g.data_ptr() - base) // esize for g in grads))
+    def bucket_spec(self, params: List[torch.Tensor], grads, flat: torch.Tensor) -> LayoutSpec:
+        """The :class:`LayoutSpec` of a DDP bucket holding ``params``, whose gradients are views of
+        ``flat`` (keyed by parameter name after :meth:`bind`). ``grads`` is the list of gradients or a
+        callable returning it (``bucket.gradients``): it is called only the first time these
+        parameters are seen in a buffer at this address and size (their offsets are then fixed)."""
+        names = tuple(self._key(p) for p in params)
+        key = (names, flat.data_ptr(), flat.numel())
+        spec = self._specs.get(key)
+        if spec is None:
+            if callable(grads):
+                grads = grads()
+            esize, base = flat.element_size(), flat.data_ptr()
+            spec = LayoutSpec(names, tuple(g.numel() for g in grads), tuple((g.data_ptr() - base) // esize for g in grads))
+            if len(self._specs) >= 4096:  # buckets rebuilt many times: forget the old buffers
+                self._specs.clear()
+            self._specs[key] = spec
+        return spec
 
     def layout(self, spec: LayoutSpec, flat: torch.Tensor) -> BucketLayout:
         """The cached layout of ``spec`` for ``flat`` (its numel, dtype and device), built on first

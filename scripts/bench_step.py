@@ -3,7 +3,7 @@ costs a step where the wire is not the bottleneck.
 
 For every parameter dtype (fp32, bf16) and mode, one DDP model of ``--layers`` Linear(width, width)
 layers (20 x 4096 x 4096 + bias = 335.6M parameters by default) trains ``--steps`` SGD steps on a
-fixed batch after ``--warmup`` steps; reported per row:
+fixed batch after ``--warmup`` steps, the modes' steps interleaved; reported per row:
 
 - ``step_ms``: median wall time of forward + backward + optimizer step, the device synchronised at
   both ends of each step;
@@ -100,58 +100,80 @@ def _register(model, mode, algorithm, backend, bucket_state_cfg):
     return timer
 
 
-def _run_mode(args, rank, device, param_dtype, mode, algorithm):
-    from torch.nn.parallel import DistributedDataParallel as DDP
+class _Run:
+    """One mode's DDP model, optimizer, batch and measurements."""
 
-    from fp8_comm_hook import FP8CommConfig
+    def __init__(self, args, rank, device, param_dtype, mode, algorithm):
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
-    net = _model(args.layers, args.width, param_dtype, device)
-    ddp = DDP(net, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=args.bucket_mb)
-    timer = _register(ddp, mode, algorithm, args.backend, FP8CommConfig(backend=args.codec))
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
-    g = torch.Generator(device="cpu").manual_seed(rank)
-    x = torch.randn(args.batch, args.width, generator=g).to(device=device, dtype=param_dtype)
-    steps, backward_host, hook_us = [], [], []
-    buckets = 0
-    prof = None
-    if args.profile and rank == 0 and (algorithm or mode) in args.profile and param_dtype == torch.float32:
-        import cProfile
-        prof = cProfile.Profile()
-    for i in range(args.warmup + args.steps):
-        if prof is not None and i == args.warmup:
-            prof.enable()
+        from fp8_comm_hook import FP8CommConfig
+
+        self.mode, self.algorithm, self.param_dtype, self.device = mode, algorithm, param_dtype, device
+        self.net = _model(args.layers, args.width, param_dtype, device)
+        self.numel = sum(p.numel() for p in self.net.parameters())
+        self.ddp = DDP(self.net, device_ids=[device.index] if device.type == "cuda" else None,
+                       bucket_cap_mb=args.bucket_mb)
+        self.timer = _register(self.ddp, mode, algorithm, args.backend, FP8CommConfig(backend=args.codec))
+        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-6)
+        g = torch.Generator(device="cpu").manual_seed(rank)
+        self.x = torch.randn(args.batch, args.width, generator=g).to(device=device, dtype=param_dtype)
+        self.steps, self.backward_host, self.hook_us, self.buckets = [], [], [], 0
+        self.prof = None
+        if args.profile and rank == 0 and (algorithm or mode) in args.profile and param_dtype == torch.float32:
+            import cProfile
+            self.prof = cProfile.Profile()
+
+    def step(self, record: bool) -> None:
+        """One synchronised training step; its times are kept when ``record``."""
         dist.barrier()
-        _sync(device)
+        _sync(self.device)
+        timer = self.timer
         h0, n0 = (timer.total, timer.calls) if timer else (0.0, 0)
+        if self.prof is not None and record:
+            self.prof.enable()
         t0 = time.perf_counter()
-        loss = ddp(x).float().square().mean()
+        loss = self.ddp(self.x).float().square().mean()
         b0 = time.perf_counter()
         loss.backward()
         b1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        _sync(device)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        _sync(self.device)
         t1 = time.perf_counter()
-        if i >= args.warmup:
-            steps.append((t1 - t0) * 1e3)
-            backward_host.append((b1 - b0) * 1e3)
+        if self.prof is not None and record:
+            self.prof.disable()
+        if record:
+            self.steps.append((t1 - t0) * 1e3)
+            self.backward_host.append((b1 - b0) * 1e3)
             if timer:
-                buckets = timer.calls - n0
-                hook_us.append((timer.total - h0) * 1e6 / max(buckets, 1))
-    if prof is not None:
-        import pstats
-        prof.disable()
-        print(f"--- cProfile of {args.steps} steps, {algorithm or mode}, fp32 parameters (rank 0), by own time")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(28)
-    del ddp, net, opt
+                self.buckets = timer.calls - n0
+                self.hook_us.append((timer.total - h0) * 1e6 / max(self.buckets, 1))
+
+    def row(self) -> dict:
+        if self.prof is not None:
+            import pstats
+            print(f"--- cProfile of the measured steps, {self.algorithm or self.mode}, fp32 parameters (rank 0), "
+                  "by own time")
+            pstats.Stats(self.prof).sort_stats("tottime").print_stats(28)
+        return dict(mode=self.mode, algorithm=self.algorithm, param_dtype=str(self.param_dtype).replace("torch.", ""),
+                    numel=self.numel, buckets=self.buckets if self.timer else None,
+                    step_ms=statistics.median(self.steps), backward_host_ms=statistics.median(self.backward_host),
+                    host_us_per_bucket=statistics.median(self.hook_us) if self.hook_us else None)
+
+
+def _run_dtype(args, rank, device, param_dtype, modes):
+    """Every mode of one parameter dtype, side by side: the models are built together and their
+    steps interleaved (mode 1, mode 2, ..., mode 1, ...), so slow drifts of the machine (clocks,
+    temperature, other tenants) fall on every mode alike."""
+    runs = [_Run(args, rank, device, param_dtype, mode, algorithm) for mode, algorithm in modes]
+    for i in range(args.warmup + args.steps):
+        for run in runs:
+            run.step(record=i >= args.warmup)
+    rows = [run.row() for run in runs]
+    del runs
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return dict(mode=mode, algorithm=algorithm, param_dtype=str(param_dtype).replace("torch.", ""),
-                numel=sum(p.numel() for p in _model(args.layers, args.width, param_dtype, torch.device("meta"))
-                          .parameters()),
-                buckets=buckets if timer else None, step_ms=statistics.median(steps),
-                backward_host_ms=statistics.median(backward_host),
-                host_us_per_bucket=statistics.median(hook_us) if hook_us else None)
+    return rows
 
 
 def _worker(rank, args, store_path, out_path):
@@ -165,14 +187,11 @@ def _worker(rank, args, store_path, out_path):
     nccl_fp8_ok = (args.backend == "nccl" and device.type == "cuda"
                    and torch.cuda.get_device_capability(device) >= (9, 0))
     for dtype in (torch.float32, torch.bfloat16):
-        for mode, algorithm in MODES:
-            if algorithm == "nccl_fp8" and not nccl_fp8_ok:
-                continue
-            if args.modes and (algorithm or mode) not in args.modes:
-                continue
-            rows.append(_run_mode(args, rank, device, dtype, mode, algorithm))
+        modes = [(m, a) for m, a in MODES if not (a == "nccl_fp8" and not nccl_fp8_ok)
+                 and not (args.modes and (a or m) not in args.modes)]
+        for r in _run_dtype(args, rank, device, dtype, modes):
+            rows.append(r)
             if rank == 0:
-                r = rows[-1]
                 us = "-" if r["host_us_per_bucket"] is None else f"{r['host_us_per_bucket']:.0f} us"
                 print(f"  {r['param_dtype']:9s} {(r['algorithm'] or r['mode']):9s} step {r['step_ms']:7.2f} ms  "
                       f"backward host {r['backward_host_ms']:7.2f} ms  hook {us} x {r['buckets']}", flush=True)
@@ -227,7 +246,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=40,
+                   help="steps before measuring: nccl_fp8's automatic pre_scale cycles through 16 values at world 1, "
+                        "and each gets its CUDA graph the second time it comes round")
     p.add_argument("--codec", default="auto", choices=["auto", "torch", "triton", "te"],
                    help="FP8CommConfig.backend of the fp8 rows")
     p.add_argument("--modes", nargs="*", default=None,
