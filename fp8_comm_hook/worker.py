@@ -27,9 +27,15 @@ def _serve(jobs: "queue.SimpleQueue") -> None:
             return
         fn, fut, ready = job
         try:
-            if ready is not None:  # CUDA tensors: start after the kernels that wrote the bucket
-                torch.cuda.current_stream(ready[1]).wait_event(ready[0])
-            fut.set_result(fn())
+            if ready is None:
+                fut.set_result(fn())
+                continue
+            # CUDA tensors: on the bucket's device (the current device is per thread), after the
+            # kernels that wrote the bucket.
+            event, device = ready
+            with torch.cuda.device(device):
+                torch.cuda.current_stream(device).wait_event(event)
+                fut.set_result(fn())
         except BaseException as e:  # noqa: BLE001 - every failure must reach the Future DDP waits on
             fut.set_exception(e)
 
