@@ -14,6 +14,7 @@ the last collective's handle, and ``finish()`` runs the local tail (dequantize, 
 the flat tensor. With ``async_op=False`` it waits and returns the flat tensor.
 """
 import math
+import time
 from typing import Callable, Optional
 
 import torch
@@ -27,7 +28,8 @@ from .stats import (CommStats, fp8_reduce_scatter_bytes, fp8_sum_bytes, ring_all
 __all__ = ["two_shot", "nccl_fp8", "plain_all_reduce", "cast_all_reduce", "fp8_reduce_scatter",
            "nccl_fp8_reduce_scatter", "plain_reduce_scatter", "all_gather_into", "reduce_scatter_into",
            "check_nccl_fp8_supported", "check_configs_match", "bf16_all_reduce_works", "encode_shared_scales",
-           "count_saturated", "next_pre_scale", "adapt_pre_scale", "auto_pre_scale_step", "new_side_group"]
+           "count_saturated", "next_pre_scale", "adapt_pre_scale", "auto_pre_scale_step", "new_side_group",
+           "time_all_reduce", "all_reduce_max"]
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -343,3 +345,35 @@ def new_side_group(group=None):
         return None
     return dist.new_group(ranks=dist.get_process_group_ranks(group if group is not None else dist.group.WORLD),
                           backend=dist.get_backend(group))
+
+
+# ---------------------------------------------------------------------------------- measuring (auto)
+def time_all_reduce(numel: int, group=None, device: torch.device = torch.device("cpu"), repeats: int = 3) -> float:
+    """Median seconds of a SUM all-reduce of ``numel`` fp32 elements on ``device`` over ``group``
+    (for :mod:`fp8_comm_hook.autotune`), after one untimed warm-up; each timed call follows a
+    one-element all-reduce so that the ranks start it together. Every rank of ``group`` must call it."""
+    device = torch.device(device)
+    x = torch.zeros(numel, device=device)
+    start = torch.zeros(1, device=device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    dist.all_reduce(x, group=group)
+    times = []
+    for _ in range(repeats):
+        dist.all_reduce(start, group=group)
+        sync()
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def all_reduce_max(values: torch.Tensor, group=None) -> torch.Tensor:
+    """Element-wise MAX of ``values`` over ``group``, in place; returns ``values``. Every rank of
+    ``group`` must call it."""
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
+    return values

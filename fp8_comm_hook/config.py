@@ -43,7 +43,11 @@ class FP8CommConfig:
         starts on a block boundary in every mode.
       algorithm ["two_shot"]: "two_shot" (all-to-all of FP8 chunks, fp32 sum, all-gather of FP8
         shards; gloo and NCCL), "nccl_fp8" (FP8 SUM all-reduce with shared scales; NCCL on sm90+),
-        "none" (plain all-reduce) or "auto" (currently "two_shot").
+        "none" (plain all-reduce) or "auto": per bucket, two_shot or the plain all-reduce in the
+        bucket's dtype, whichever a cost model predicts faster; register_ddp_hook times the group's
+        all-reduce at two sizes and the codec on the device, combines the figures over ranks (MAX)
+        so every rank chooses alike, and logs the choice per bucket size (fp8_comm_hook.autotune;
+        state.auto_plan.report()). Without that measurement (FSDP, all_reduce) "auto" is two_shot.
       pre_scale [None]: factor applied before an FP8 sum (nccl_fp8 only); None means 1/sqrt(world).
       backend ["auto"]: codec kernels: "torch", "triton", "te" or "auto" (torch on CPU; on CUDA, TE
         for tensor/bucket scaling when installed, else Triton).

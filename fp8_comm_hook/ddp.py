@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import collectives, registry
+from . import autotune, collectives, registry
 from .config import FP8CommConfig
 from .reduce import reduce_bucket
 from .state import FP8CommState
@@ -72,7 +72,8 @@ def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, conf
     Binds parameter names (so residuals survive bucket rebuilds and resumes), checks that every rank
     has the same config, and checks that ``nccl_fp8`` can run. On gloo it creates a second process
     group with the same ranks for a communication worker thread (so the backward never waits on the
-    wire; ``FP8_COMM_WORKER=0`` turns it off); on CUDA with NCCL buckets run as captured CUDA graphs
+    wire; ``FP8_COMM_WORKER=0`` turns it off); for ``algorithm="auto"`` it times the group's
+    all-reduce and the codec to choose per bucket (:mod:`fp8_comm_hook.autotune`); on CUDA with NCCL buckets run as captured CUDA graphs
     on a communication stream (``FP8_COMM_CUDA_GRAPHS=0`` turns them off). Raises ``RuntimeError`` if a comm hook
     is already registered, ``ValueError`` for a config that cannot run here.
 
@@ -94,6 +95,8 @@ def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, conf
     if state.config.algorithm == "nccl_fp8":
         collectives.check_nccl_fp8_supported(pg, registry.model_device(ddp_model))
     _start_worker(state, pg)
+    if state.config.algorithm == "auto":
+        autotune.tune(state, registry.model_device(ddp_model))  # same figures, same choices on every rank
     try:
         ddp_model.register_comm_hook(state, fp8_hook)
     except RuntimeError as e:

@@ -53,7 +53,7 @@ class FP8CommState:
 
     __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
                  "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
-                 "_world", "_graphs", "_worker", "_side_group", "_specs", "__weakref__")
+                 "_world", "_graphs", "_worker", "_side_group", "_specs", "_auto", "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -76,6 +76,7 @@ class FP8CommState:
         self._worker: Optional[CommWorker] = None    # gloo: the thread that runs FP8 buckets, see use_worker()
         self._side_group = None                      # ... and the process group it issues them on
         self._specs: Dict[tuple, LayoutSpec] = {}    # (parameter keys, buffer address, numel) -> DDP bucket spec
+        self._auto = None                            # algorithm="auto": (numel, element size) -> mode, see set_auto_plan
         self.layouts_built = 0                      # how many bucket layouts were derived (rebuilds add)
         self.loss_scale: Optional[float] = None     # the loss scale the residuals are in (set_loss_scale)
 
@@ -214,7 +215,7 @@ class FP8CommState:
         bucket counted in the stats (against a ring ``collective``, "all_reduce" or
         "reduce_scatter", in ``flat``'s dtype), and for an FP8 mode the layout of ``spec`` (a pooled
         one bound to the buffers this algorithm uses), the codec, the residual and the generator."""
-        mode = self.mode_for(flat.numel())
+        mode = self.mode_for(flat.numel(), flat.element_size())
         self._stats.add("bytes_baseline", ring_bytes(collective, flat.numel() * flat.element_size(), self.world_size
                                                      if spec.world_size is None else spec.world_size))
         self._stats.add("compressed_buckets" if mode != "none" else "uncompressed_buckets", 1)
@@ -250,12 +251,32 @@ class FP8CommState:
                 log.warning("fp8_comm_hook: dropping residual of %s: %d elements saved, %d now", name,
                             r.numel(), layout.numels[i])
 
-    def mode_for(self, numel: int) -> str:
-        """The wire algorithm for a bucket of ``numel`` elements at the current step."""
+    def mode_for(self, numel: int, element_size: int = 4) -> str:
+        """The wire algorithm for a bucket of ``numel`` elements of ``element_size`` bytes at the
+        current step. For ``algorithm="auto"`` the plan set by :meth:`set_auto_plan` decides (without
+        one, e.g. under FSDP: ``two_shot``, logged once)."""
         cfg = self.config
         if cfg.algorithm == "none" or self.step < cfg.warmup_steps or numel < cfg.min_compress_numel:
             return "none"
-        return "two_shot" if cfg.algorithm == "auto" else cfg.algorithm
+        if cfg.algorithm != "auto":
+            return cfg.algorithm
+        if self._auto is None:
+            log.warning("fp8_comm_hook: algorithm='auto' without a measured plan (register_ddp_hook measures one; "
+                        "else call fp8_comm_hook.autotune.tune(state) on every rank): using two_shot")
+            self._auto = lambda n, e: "two_shot"
+        return self._auto(numel, element_size)
+
+    def set_auto_plan(self, plan) -> None:
+        """Give ``algorithm="auto"`` its per-bucket choice: ``plan(numel, element_size)`` returns
+        "two_shot" or "none" and must return the same on every rank (see
+        :func:`fp8_comm_hook.autotune.tune`, which builds one from measured figures)."""
+        self._auto = plan
+
+    @property
+    def auto_plan(self):
+        """The plan ``algorithm="auto"`` decides with (an :class:`~fp8_comm_hook.autotune.AutoPlan`
+        after registration: ``state.auto_plan.report()`` gives its figures and choices), or None."""
+        return self._auto
 
     def end_bucket(self, is_last: bool) -> None:
         """Advance the bucket counter; after the step's last bucket, the step counter."""

@@ -16,7 +16,7 @@ LAYERS = {
     "formats": 0, "config": 0, "geometry": 0, "stats": 0, "registry": 0,
     "layout": 1, "codec": 1,
     "collectives": 2, "graphs": 2, "worker": 2,
-    "state": 3, "cast_hook": 3,
+    "state": 3, "cast_hook": 3, "autotune": 3,
     "reduce": 4,
     "ddp": 5, "fsdp": 5,
     "integrations": 6,

@@ -1,0 +1,222 @@
+"""``algorithm="auto"``: per bucket, FP8 ``two_shot`` or the plain all-reduce in the bucket's dtype,
+whichever a measured cost model predicts faster.
+
+The model (pure functions of four figures, :class:`Figures`):
+
+- a plain all-reduce of ``B`` bytes takes ``latency_s + s_per_byte * B`` (both fitted from timed
+  fp32 all-reduces of two sizes on the group, so ``s_per_byte`` already holds the ring's
+  2(W-1)/W factor and the sum);
+- FP8 ``two_shot`` of ``n`` elements is two collectives moving, together, as many bytes per rank as
+  a ring all-reduce of the packed FP8 bucket (payload plus scales, :func:`fp8_bytes_per_elem`) plus
+  the codec's encode, owner reduce and decode on this device:
+  ``2 * latency_s + s_per_byte * n * fp8_bytes_per_elem + codec_fixed_s + codec_s_per_elem * n``.
+
+A bucket goes FP8 when that prediction is smaller (:func:`choose`). Every rank measures its own
+figures, then one MAX all-reduce gives every rank the same (slowest rank's) figures, so every rank
+makes the same choice for every bucket (ranks that chose differently would hang). ``warmup_steps``
+and ``min_compress_numel`` still come first (:meth:`fp8_comm_hook.state.FP8CommState.mode_for`).
+
+:func:`tune` measures and hands the resulting :class:`AutoPlan` to the state; ``register_ddp_hook``
+calls it for ``algorithm="auto"``, and a caller may call it again on every rank at the same point
+(e.g. after the network changed). ``state.auto_plan.report()`` returns the figures and the choice
+per bucket size; the figures and each bucket size's choice are logged once (logger ``fp8_comm_hook``).
+"""
+import dataclasses
+import logging
+import statistics
+import time
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from . import collectives
+from .layout import BucketLayout
+
+__all__ = ["Figures", "AutoPlan", "fit_line", "combine", "fp8_bytes_per_elem", "predict_plain_s",
+           "predict_two_shot_s", "choose", "break_even_numel", "measure", "tune"]
+
+log = logging.getLogger("fp8_comm_hook")
+
+#: Sizes (fp32 elements) of the timed all-reduces and of the timed codec runs.
+ALL_REDUCE_SIZES = (4096, 1 << 20)
+CODEC_SIZES = (1 << 16, 1 << 20)
+REPEATS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Figures:
+    """What the cost model needs, in seconds: a collective's fixed cost and an all-reduce's cost per
+    byte of the tensor, the codec's fixed cost per bucket and its cost per element."""
+
+    latency_s: float
+    s_per_byte: float
+    codec_fixed_s: float
+    codec_s_per_elem: float
+
+    def as_list(self) -> list:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    @classmethod
+    def from_list(cls, values: Sequence[float]) -> "Figures":
+        return cls(*(float(v) for v in values))
+
+
+def fit_line(x1: float, t1: float, x2: float, t2: float) -> Tuple[float, float]:
+    """``(fixed, per_unit)`` of the line through two timings ``t1`` at size ``x1`` and ``t2`` at
+    ``x2 > x1``, neither below 0 (a noisy pair that slopes down means a cost per unit of 0, all of it
+    fixed; a line through negative time at size 0 means no fixed cost)."""
+    if not x2 > x1:
+        raise ValueError(f"fit_line needs x2 > x1, got {x1} and {x2}")
+    per_unit = max((t2 - t1) / (x2 - x1), 0.0)
+    fixed = max(t1 - per_unit * x1, 0.0)
+    if per_unit == 0.0:
+        fixed = max(t1, t2)
+    return fixed, per_unit
+
+
+def combine(per_rank: Sequence[Figures]) -> Figures:
+    """The figures every rank decides with: each figure's maximum over ranks (the slowest rank sets
+    the pace of a collective). What one MAX all-reduce computes in :func:`measure`."""
+    if not per_rank:
+        raise ValueError("combine needs the figures of at least one rank")
+    return Figures.from_list([max(col) for col in zip(*(f.as_list() for f in per_rank))])
+
+
+def fp8_bytes_per_elem(scaling: str, block_size: int) -> float:
+    """Bytes of a packed FP8 bucket per element: one payload byte, plus one fp32 scale per block
+    (``block`` scaling); per-parameter or per-shard scales (``tensor``, ``bucket``) are negligible."""
+    return 1.0 + (4.0 / block_size if scaling == "block" else 0.0)
+
+
+def predict_plain_s(f: Figures, numel: int, element_size: int) -> float:
+    """Predicted time of a plain all-reduce of ``numel`` elements of ``element_size`` bytes."""
+    return f.latency_s + f.s_per_byte * numel * element_size
+
+
+def predict_two_shot_s(f: Figures, numel: int, fp8_bpe: float) -> float:
+    """Predicted time of FP8 ``two_shot`` of ``numel`` elements (``fp8_bpe`` packed bytes each)."""
+    return 2 * f.latency_s + f.s_per_byte * numel * fp8_bpe + f.codec_fixed_s + f.codec_s_per_elem * numel
+
+
+def choose(f: Figures, numel: int, element_size: int, fp8_bpe: float) -> str:
+    """``"two_shot"`` when the model predicts it strictly faster than the plain all-reduce, else
+    ``"none"``. A pure function of its arguments: ranks with the same figures choose alike."""
+    return "two_shot" if predict_two_shot_s(f, numel, fp8_bpe) < predict_plain_s(f, numel, element_size) else "none"
+
+
+def break_even_numel(f: Figures, element_size: int, fp8_bpe: float) -> Optional[int]:
+    """The smallest bucket (elements) from which FP8 is predicted faster, or None when it never is
+    (the bytes saved per element do not pay for the codec's cost per element)."""
+    gain = f.s_per_byte * (element_size - fp8_bpe) - f.codec_s_per_elem
+    if gain <= 0:
+        return None
+    return int((f.latency_s + f.codec_fixed_s) / gain) + 1
+
+
+class AutoPlan:
+    """The choice per bucket for ``algorithm="auto"``: call it with ``(numel, element_size)`` to get
+    ``"two_shot"`` or ``"none"``; the first time a bucket size is seen its choice and both
+    predictions are logged and kept (:meth:`report`)."""
+
+    __slots__ = ("figures", "world_size", "fp8_bpe", "_decisions")
+
+    def __init__(self, figures: Figures, world_size: int, fp8_bpe: float):
+        self.figures, self.world_size, self.fp8_bpe = figures, world_size, fp8_bpe
+        self._decisions: Dict[Tuple[int, int], Tuple[str, float, float]] = {}
+
+    def __call__(self, numel: int, element_size: int) -> str:
+        d = self._decisions.get((numel, element_size))
+        if d is None:
+            f = self.figures
+            d = (choose(f, numel, element_size, self.fp8_bpe), predict_two_shot_s(f, numel, self.fp8_bpe),
+                 predict_plain_s(f, numel, element_size))
+            self._decisions[(numel, element_size)] = d
+            log.info("fp8_comm_hook: auto: bucket of %d elements (%d-byte): %s (predicted two_shot %.3f ms, "
+                     "plain all-reduce %.3f ms)", numel, element_size, d[0], d[1] * 1e3, d[2] * 1e3)
+        return d[0]
+
+    def report(self) -> dict:
+        """The figures, the break-even bucket sizes for 4- and 2-byte gradients (None: never), and
+        each bucket size seen so far with its choice and both predictions (ms)."""
+        return {"figures": dataclasses.asdict(self.figures), "world_size": self.world_size,
+                "fp8_bytes_per_elem": self.fp8_bpe,
+                "break_even_numel": {"fp32": break_even_numel(self.figures, 4, self.fp8_bpe),
+                                     "bf16": break_even_numel(self.figures, 2, self.fp8_bpe)},
+                "buckets": [{"numel": n, "element_size": e, "mode": m, "predicted_two_shot_ms": t8 * 1e3,
+                             "predicted_plain_ms": tp * 1e3}
+                            for (n, e), (m, t8, tp) in sorted(self._decisions.items())]}
+
+
+# ---------------------------------------------------------------------------------- measuring
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_codec(codec, config, numel: int, world_size: int, rank: int, device: torch.device,
+               repeats: int = REPEATS) -> float:
+    """Median seconds of two_shot's local work on one ``numel``-element fp32 bucket: encode, the
+    owner's dequantize-sum-requantize and decode (the exchanges replaced by local copies of the same
+    bytes), with error feedback when the config has it. One untimed run first (kernel compilation)."""
+    L = BucketLayout([numel], [0], ["autotune"], world_size, rank, config.block_size, config.scaling, numel,
+                     torch.float32, device)
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(rank)).to(device)
+    residual = L.ensure_residual() if config.error_feedback else None
+
+    def once():
+        codec.encode(flat, L, residual, None)
+        L.recv.copy_(L.send)
+        codec.reduce_shard(L, residual, None)
+        L.gather_out.copy_(L.gather_in[None].expand_as(L.gather_out))
+        codec.decode(L, flat)
+
+    once()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        once()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_local(state, device: torch.device, all_reduce_sizes: Sequence[int] = ALL_REDUCE_SIZES,
+                  codec_sizes: Sequence[int] = CODEC_SIZES, repeats: int = REPEATS) -> Figures:
+    """This rank's figures: fp32 all-reduces of two sizes on the state's group (a collective: every
+    rank of the group must call it at the same point) and the codec at two sizes on ``device``."""
+    (n1, n2), (c1, c2) = sorted(all_reduce_sizes), sorted(codec_sizes)
+    t1 = collectives.time_all_reduce(n1, state.group, device, repeats)
+    t2 = collectives.time_all_reduce(n2, state.group, device, repeats)
+    latency, per_byte = fit_line(4 * n1, t1, 4 * n2, t2)
+    codec = state.codec_for(device)
+    k1 = time_codec(codec, state.config, c1, state.world_size, state.rank, device, repeats)
+    k2 = time_codec(codec, state.config, c2, state.world_size, state.rank, device, repeats)
+    fixed, per_elem = fit_line(c1, k1, c2, k2)
+    return Figures(latency, per_byte, fixed, per_elem)
+
+
+def measure(state, device: torch.device, **kw) -> Figures:
+    """:func:`measure_local` on every rank, combined by one MAX all-reduce (:func:`combine`): the
+    same figures on every rank. A collective: call it on every rank of the state's group."""
+    mine = measure_local(state, device, **kw)
+    t = torch.tensor(mine.as_list(), dtype=torch.float64, device=device)
+    return Figures.from_list(collectives.all_reduce_max(t, state.group).cpu().tolist())
+
+
+def tune(state, device: Optional[torch.device] = None, **kw) -> AutoPlan:
+    """Measure (:func:`measure`; gradients on ``device``, default CPU) and give ``state`` the
+    resulting :class:`AutoPlan` (``state.set_auto_plan``); logs the figures and the break-even
+    bucket sizes. A collective: call it on every rank of the state's group at the same point.
+    Returns the plan."""
+    device = torch.device(device if device is not None else "cpu")
+    f = measure(state, device, **kw)
+    cfg = state.config
+    plan = AutoPlan(f, state.world_size, fp8_bytes_per_elem(cfg.scaling, cfg.block_size))
+    state.set_auto_plan(plan)
+    be = plan.report()["break_even_numel"]
+    log.info("fp8_comm_hook: auto: collective latency %.1f us, all-reduce %.3f GB/s of tensor, codec %.1f us + "
+             "%.2f ns/element (max over %d ranks); two_shot pays from %s elements (fp32 buckets), %s (bf16)",
+             f.latency_s * 1e6, 1e-9 / f.s_per_byte if f.s_per_byte > 0 else float("inf"), f.codec_fixed_s * 1e6,
+             f.codec_s_per_elem * 1e9, state.world_size, be["fp32"] or "never", be["bf16"] or "never")
+    return plan

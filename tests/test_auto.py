@@ -1,0 +1,218 @@
+"""algorithm="auto": the cost model and decision rule with fixed figures (ranks that measured
+different figures included), and in gloo worlds of 2, 3 and 4 ranks that every rank gets the same
+figures and makes the same choice for every bucket. No timing assertions: the measured figures are
+only compared across ranks."""
+import copy
+import logging
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_checks import batch, digest, exact_mean, local_grads, mlp, rel_err
+from dist_harness import run_world, values
+from fp8_comm_hook import FP8CommConfig, FP8CommState, register_ddp_hook
+from fp8_comm_hook import autotune
+from fp8_comm_hook.autotune import AutoPlan, Figures, break_even_numel, choose, combine, fit_line
+
+# A 1 Gbit/s-like link (8 ns per byte of tensor, 50 us per collective) and a codec of 200 us + 2 ns/element.
+SLOW_LINK = Figures(latency_s=50e-6, s_per_byte=8e-9, codec_fixed_s=200e-6, codec_s_per_elem=2e-9)
+# Loopback-like: 0.1 ns per byte; the codec's cost per element exceeds what FP8 saves.
+FAST_LINK = Figures(latency_s=20e-6, s_per_byte=0.1e-9, codec_fixed_s=200e-6, codec_s_per_elem=2e-9)
+BPE = autotune.fp8_bytes_per_elem("block", 128)
+
+
+# ---------------------------------------------------------------------------------- pure functions
+def test_fit_line():
+    assert fit_line(1, 3.0, 3, 7.0) == (1.0, 2.0)
+    fixed, slope = fit_line(1000, 5.0, 2000, 4.0)  # noisy, slopes down: all of it fixed
+    assert (fixed, slope) == (5.0, 0.0)
+    assert fit_line(10, 1.0, 20, 3.0) == (0.0, 0.2)  # would cross below zero: no fixed cost
+    with pytest.raises(ValueError, match="x2 > x1"):
+        fit_line(2, 1.0, 2, 1.0)
+
+
+def test_bytes_per_element():
+    assert BPE == pytest.approx(1 + 4 / 128)
+    assert autotune.fp8_bytes_per_elem("tensor", 128) == 1.0
+    assert autotune.fp8_bytes_per_elem("bucket", 16) == 1.0
+
+
+def test_choice_follows_break_even_on_a_slow_link():
+    n0 = break_even_numel(SLOW_LINK, 4, BPE)
+    # (latency + codec fixed) / (8 ns * (4 - 1.03125) - 2 ns) = 250 us / 21.75 ns
+    assert n0 == int(250e-6 / (8e-9 * (4 - BPE) - 2e-9)) + 1
+    assert choose(SLOW_LINK, n0 - 1, 4, BPE) == "none"
+    assert choose(SLOW_LINK, n0, 4, BPE) == "two_shot"
+    assert choose(SLOW_LINK, 25_000_000 // 4, 4, BPE) == "two_shot"
+    # bf16 buckets save fewer bytes per element: FP8 pays only for larger buckets
+    n0_bf16 = break_even_numel(SLOW_LINK, 2, BPE)
+    assert n0_bf16 > n0
+    assert choose(SLOW_LINK, n0_bf16 - 1, 2, BPE) == "none" and choose(SLOW_LINK, n0_bf16, 2, BPE) == "two_shot"
+
+
+def test_fast_link_never_compresses():
+    assert break_even_numel(FAST_LINK, 4, BPE) is None
+    for n in (1, 10_000, 10_000_000, 10 ** 9):
+        assert choose(FAST_LINK, n, 4, BPE) == "none"
+
+
+def test_predictions_are_the_documented_formulas():
+    f, n = SLOW_LINK, 1_000_000
+    assert autotune.predict_plain_s(f, n, 4) == pytest.approx(50e-6 + 8e-9 * 4e6)
+    assert autotune.predict_two_shot_s(f, n, BPE) == pytest.approx(2 * 50e-6 + 8e-9 * n * BPE + 200e-6 + 2e-9 * n)
+
+
+def test_ranks_with_different_figures_decide_alike_after_combining():
+    """Two ranks that measured on either side of the break-even point: alone they would choose
+    differently for the same bucket (a hang); the combined (MAX) figures give one choice, the same
+    whichever order the ranks' figures come in."""
+    rank0 = Figures(latency_s=40e-6, s_per_byte=8e-9, codec_fixed_s=150e-6, codec_s_per_elem=1e-9)
+    rank1 = Figures(latency_s=60e-6, s_per_byte=0.5e-9, codec_fixed_s=400e-6, codec_s_per_elem=3e-9)
+    n = 200_000
+    assert choose(rank0, n, 4, BPE) != choose(rank1, n, 4, BPE)
+    both = combine([rank0, rank1])
+    assert both == Figures(60e-6, 8e-9, 400e-6, 3e-9)
+    assert combine([rank1, rank0]) == both
+    plans = [AutoPlan(combine(order), 2, BPE) for order in ([rank0, rank1], [rank1, rank0])]
+    for size in (1000, 30_000, n, 5_000_000):
+        assert plans[0](size, 4) == plans[1](size, 4) == choose(both, size, 4, BPE)
+    with pytest.raises(ValueError):
+        combine([])
+
+
+def test_plan_logs_each_bucket_size_once_and_reports(caplog):
+    plan = AutoPlan(SLOW_LINK, 4, BPE)
+    with caplog.at_level(logging.INFO, logger="fp8_comm_hook"):
+        for _ in range(3):
+            assert plan(10, 4) == "none"
+            assert plan(4_000_000, 4) == "two_shot"
+    lines = [r.getMessage() for r in caplog.records if "auto: bucket" in r.getMessage()]
+    assert len(lines) == 2, lines
+    rep = plan.report()
+    assert rep["figures"]["s_per_byte"] == 8e-9 and rep["world_size"] == 4
+    assert [(b["numel"], b["mode"]) for b in rep["buckets"]] == [(10, "none"), (4_000_000, "two_shot")]
+    assert rep["break_even_numel"]["fp32"] == break_even_numel(SLOW_LINK, 4, BPE)
+
+
+def test_warmup_and_min_compress_numel_keep_their_meaning():
+    st = FP8CommState(FP8CommConfig(algorithm="auto", warmup_steps=2, min_compress_numel=1000))
+    st.set_auto_plan(AutoPlan(SLOW_LINK, 2, BPE))
+    big = 10_000_000
+    assert st.mode_for(big) == "none"          # warm-up
+    st.step = 2
+    assert st.mode_for(999) == "none"          # below min_compress_numel, whatever the plan says
+    assert st.mode_for(big) == "two_shot"
+    assert st.mode_for(1000) == "none"         # the plan: too small to pay
+    st.set_auto_plan(AutoPlan(FAST_LINK, 2, BPE))
+    assert st.mode_for(big) == "none"
+    assert st.auto_plan.report()["figures"]["s_per_byte"] == FAST_LINK.s_per_byte
+
+
+def test_auto_without_a_plan_is_two_shot_and_says_so(caplog):
+    st = FP8CommState(FP8CommConfig(algorithm="auto", min_compress_numel=0))
+    with caplog.at_level(logging.WARNING, logger="fp8_comm_hook"):
+        assert st.mode_for(100) == "two_shot"
+        assert st.mode_for(100) == "two_shot"
+    assert sum("without a measured plan" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---------------------------------------------------------------------------------- gloo worlds
+def _auto_ddp(model, **ddp_kw):
+    d = DDP(model, **ddp_kw)
+    return d, register_ddp_hook(d, FP8CommConfig(algorithm="auto", min_compress_numel=0))
+
+
+def chk_registration_measures_same_plan(rank, W):
+    """register_ddp_hook measures; every rank holds the same figures and makes the same choice for
+    every bucket; the averaged gradients are bit-identical across ranks."""
+    model = mlp(depth=8, width=256)
+    d, st = _auto_ddp(model, bucket_cap_mb=0.1)
+    for it in range(3):
+        local_grads(d, *batch(rank, it))
+    rep = st.auto_plan.report()
+    return dict(figures=rep["figures"], buckets=[(b["numel"], b["mode"]) for b in rep["buckets"]],
+                stats=st.stats(), digest=digest([p.grad for p in d.parameters()]))
+
+
+def chk_forced_mixed_plan(rank, W):
+    """A plan that sends the large buckets FP8 and the small ones plain: both paths in one step,
+    the mean right (FP8 error bound on the whole model), every rank bit-identical."""
+    ref_model = mlp(depth=8, width=256)
+    d, st = _auto_ddp(copy.deepcopy(ref_model), bucket_cap_mb=0.1)
+    st.set_auto_plan(lambda n, e: "two_shot" if n >= 20_000 else "none")
+    errs = []
+    for it in range(3):
+        x, y = batch(rank, it)
+        ref = local_grads(ref_model, x, y)
+        local_grads(d, x, y)
+        for name, p in d.module.named_parameters():
+            errs.append(rel_err(p.grad, exact_mean(ref[name])))
+    return dict(max_err=max(errs), stats=st.stats(), digest=digest([p.grad for p in d.parameters()]))
+
+
+def chk_measure_combines_different_figures(rank, W):
+    """Each rank 'measures' different figures (rank-dependent, injected): measure() hands every rank
+    the element-wise maximum."""
+    st = FP8CommState(FP8CommConfig(algorithm="auto"))
+    real = autotune.measure_local
+    try:
+        autotune.measure_local = lambda state, device, **kw: Figures(1e-6 * (rank + 1), 1e-9 * (W - rank), 1e-4,
+                                                                     1e-9 * (1 + rank % 2))
+        f = autotune.measure(st, torch.device("cpu"))
+    finally:
+        autotune.measure_local = real
+    return f
+
+
+def chk_tune_on_request(rank, W):
+    """tune() again on a state (e.g. after the network changed): a new plan, the same on every rank."""
+    st = FP8CommState(FP8CommConfig(algorithm="auto"))
+    plan = autotune.tune(st, torch.device("cpu"), all_reduce_sizes=(256, 65536), codec_sizes=(4096, 65536))
+    return dict(same=st.auto_plan is plan, modes=[plan(n, e) for n in (1000, 10 ** 6, 10 ** 8) for e in (2, 4)],
+                figures=plan.figures)
+
+
+CHECKS = [chk_registration_measures_same_plan, chk_forced_mixed_plan, chk_measure_combines_different_figures,
+          chk_tune_on_request]
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
+def world(request):
+    return request.param, run_world(request.param, CHECKS)
+
+
+def test_registration_plan_agrees_across_ranks(world):
+    W, res = world
+    v = values(res, "chk_registration_measures_same_plan")
+    assert all(x["figures"] == v[0]["figures"] for x in v)
+    assert all(x["buckets"] == v[0]["buckets"] for x in v) and len(v[0]["buckets"]) >= 2
+    assert len({x["digest"] for x in v}) == 1
+    assert all(x["stats"]["steps"] == 3 for x in v)
+    f = v[0]["figures"]
+    assert all(f[k] >= 0 for k in f) and f["latency_s"] + f["s_per_byte"] > 0
+
+
+def test_forced_mixed_plan_runs_both_paths(world):
+    W, res = world
+    v = values(res, "chk_forced_mixed_plan")
+    for x in v:
+        assert x["stats"]["compressed_buckets"] > 0 and x["stats"]["uncompressed_buckets"] > 0
+        assert x["max_err"] < 0.045
+    assert len({x["digest"] for x in v}) == 1
+
+
+def test_measure_gives_every_rank_the_maximum(world):
+    W, res = world
+    v = values(res, "chk_measure_combines_different_figures")
+    expected = combine([Figures(1e-6 * (r + 1), 1e-9 * (W - r), 1e-4, 1e-9 * (1 + r % 2)) for r in range(W)])
+    for f in v:
+        assert f.as_list() == pytest.approx(expected.as_list(), rel=1e-12)
+    assert len({tuple(f.as_list()) for f in v}) == 1
+
+
+def test_tune_on_request_agrees(world):
+    W, res = world
+    v = values(res, "chk_tune_on_request")
+    assert all(x["same"] for x in v)
+    assert all(x["modes"] == v[0]["modes"] and x["figures"] == v[0]["figures"] for x in v)
