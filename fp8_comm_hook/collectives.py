@@ -349,9 +349,11 @@ def new_side_group(group=None):
 
 # ---------------------------------------------------------------------------------- measuring (auto)
 def time_all_reduce(numel: int, group=None, device: torch.device = torch.device("cpu"), repeats: int = 3) -> float:
-    """Median seconds of a SUM all-reduce of ``numel`` fp32 elements on ``device`` over ``group``
-    (for :mod:`fp8_comm_hook.autotune`), after one untimed warm-up; each timed call follows a
-    one-element all-reduce so that the ranks start it together. Every rank of ``group`` must call it."""
+    """Seconds of a SUM all-reduce of ``numel`` fp32 elements on ``device`` over ``group`` (for
+    :mod:`fp8_comm_hook.autotune`): the fastest of ``repeats`` after one untimed warm-up (the fastest,
+    not the median: a rank descheduled once on a busy host must not set the figure); each timed call
+    follows a one-element all-reduce so that the ranks start it together. Every rank of ``group``
+    must call it."""
     device = torch.device(device)
     x = torch.zeros(numel, device=device)
     start = torch.zeros(1, device=device)
@@ -369,7 +371,7 @@ def time_all_reduce(numel: int, group=None, device: torch.device = torch.device(
         dist.all_reduce(x, group=group)
         sync()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
 def all_reduce_max(values: torch.Tensor, group=None) -> torch.Tensor:
