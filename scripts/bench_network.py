@@ -426,7 +426,7 @@ def worker(spec_path: str, rank: int) -> None:
 
 # ====================================================================================== reporting
 def _key(r):
-    return (r["nodes"], r["ranks_per_node"], r["model"], r["numel"], r["rate_gbit"] is None, r["rate_gbit"] or 0)
+    return (r["nodes"], r["ranks_per_node"], r["numel"], r["model"], r["rate_gbit"] is None, r["rate_gbit"] or 0)
 
 
 def table(rows) -> str:
@@ -443,7 +443,7 @@ def table(rows) -> str:
         g = groups[k]
         any_row = next(iter(g.values()))
         bf16 = g.get("bf16", {}).get("step_ms")
-        cells = [f"{k[0]} x {k[1]}", k[2], "unshaped" if any_row["rate_gbit"] is None else f"{any_row['rate_gbit']:g}",
+        cells = [f"{k[0]} x {k[1]}", k[3], "unshaped" if any_row["rate_gbit"] is None else f"{any_row['rate_gbit']:g}",
                  f"{any_row['measured_busbw_gbit']:.2f}" if any_row["measured_busbw_gbit"] else "-"]
         for m in modes:
             if m not in g:
@@ -462,7 +462,8 @@ def plot(rows, path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["nodes"], r["ranks_per_node"], r["model"], r["numel"]) for r in rows}, key=lambda p: p)
+    panels = sorted({(r["nodes"], r["ranks_per_node"], r["model"], r["numel"]) for r in rows},
+                    key=lambda p: (p[0], p[1], p[3], p[2]))
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     rates = sorted({r["rate_gbit"] for r in rows if r["rate_gbit"] is not None})
     x_unshaped = (max(rates) * 4) if rates else 1.0
