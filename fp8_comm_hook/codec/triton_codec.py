@@ -54,6 +54,20 @@ def _warps(nb: int, block_size: int) -> int:
     return 8 if nb * block_size >= 4096 else 4
 
 
+def _tile_args(block_size: int, bpc: int, nb: int, strides=(), unaligned: bool = False) -> dict:
+    """Tile constants of a launch: LW lanes per block row (a warp reads LW consecutive elements of
+    one block), ONE_WRAP when a tile crosses at most one packed-row boundary, and PAY_AL, the byte
+    alignment promised for the payload row strides (1 when the source is read unaligned: then no
+    access of the tile is widened, and the unaligned loads stay coalesced)."""
+    al = 1
+    if not unaligned:
+        for p in (4, 2):
+            if all(int(s) % p == 0 for s in strides):
+                al = p
+                break
+    return dict(LW=min(block_size, 32), PAY_AL=al, ONE_WRAP=bpc >= nb)
+
+
 @functools.lru_cache(maxsize=None)
 def _torch_div_mode(device_type: str) -> int:
     """How torch computes ``t.div_(W)`` (the reference's mean) on this device type: CUDA multiplies
@@ -228,7 +242,8 @@ class TritonCodec(Codec):
         nb = _blocks_per_program(bs, _AMAX_TILE, _AMAX_MAX_BLOCKS)
         dev, idx64 = x.device, self._big(groups.rows * groups.chunk_numel)
         common = dict(FP8=self._fp8, BS=bs, NB=nb, SOURCE=_SRC_DENSE, SRC_GROUPED=False, DIV_MODE=_DIV_NONE,
-                      HAS_RES=False, STORE_X=False, STORE_BAMAX=True, IDX64=idx64, num_warps=_warps(nb, bs))
+                      HAS_RES=False, STORE_X=False, STORE_BAMAX=True, IDX64=idx64, num_warps=_warps(nb, bs),
+                      LW=min(bs, 32))
         grid = (triton.cdiv(nblocks, nb),)
         if groups.block_group is None:
             self._launch(_amax_kernel, grid, dev, x, x, x, x, 0, x, 0, x, 1, 1.0, 1.0, x, x, out, x, x, 0,
@@ -280,7 +295,7 @@ class TritonCodec(Codec):
                      nblocks, bpc, G, ng, float(pre_scale), self._seed(generator, 2),
                      BS=bs, NB=nb, GB=_GROUPS_PER_PROGRAM, SOURCE=_SRC_DENSE, AMAX_MODE=mode, RES_MODE=_RES_NONE,
                      SR=self.stochastic_rounding, DIV_MODE=_DIV_NONE, IDX64=idx64, num_warps=_warps(nb, bs),
-                     **self._consts())
+                     **_tile_args(bs, bpc, nb, (pay_stride,)), **self._consts())
 
     def dequantize(self, payload, scale_inv, groups: ScaleGroups, out, block_scale):
         """``out = q * scale_inv`` per group into a padded fp32 buffer, in one launch."""
@@ -294,7 +309,8 @@ class TritonCodec(Codec):
         self._launch(_dequant_kernel, (triton.cdiv(nblocks, nb),), out.device,
                      pay, pay_stride, sc, sc_stride, grp, G, out, out, out, nblocks, C // bs, 0,
                      FP8=self._fp8, BS=bs, NB=nb, GROUPED=grouped, SEGMENTED=False,
-                     IDX64=self._big(rows * C, rows * pay_stride), num_warps=_warps(nb, bs))
+                     IDX64=self._big(rows * C, rows * pay_stride), num_warps=_warps(nb, bs),
+                     **_tile_args(bs, C // bs, nb, (pay_stride,)))
         return out
 
     def dequantize_sum(self, payload, scale_inv, groups: ScaleGroups, out, work, block_scale):
@@ -311,7 +327,8 @@ class TritonCodec(Codec):
                      out, out, out, out, out, 0, bpc, bpc, G,
                      FP8=self._fp8, BS=bs, NB=nb, SOURCE=_SRC_RECV, SRC_GROUPED=grouped, DIV_MODE=_DIV_NONE,
                      HAS_RES=False, STORE_X=True, STORE_BAMAX=False, ATOMIC=False,
-                     IDX64=self._big(rows * pay_stride), num_warps=_warps(nb, bs))
+                     IDX64=self._big(rows * pay_stride), num_warps=_warps(nb, bs),
+                     LW=min(bs, 32), PAY_AL=_tile_args(bs, bpc, nb, (pay_stride,))["PAY_AL"])
         return out
 
     # ------------------------------------------------------------------ two_shot's fused stages
@@ -330,7 +347,8 @@ class TritonCodec(Codec):
         dev = flat.device
         nbq = _blocks_per_program(bs, _QUANT_TILE)
         source, nsrc = (_SRC_CONTIG, P.contig) if P.contig is not None else (_SRC_SEGMENTS, 1)
-        common = dict(BS=bs, SR=self.stochastic_rounding, DIV_MODE=_DIV_NONE, IDX64=P.idx64, **self._consts())
+        common = dict(BS=bs, SR=self.stochastic_rounding, DIV_MODE=_DIV_NONE, IDX64=P.idx64, **self._consts(),
+                      **_tile_args(bs, L.blocks_per_chunk, nbq, (L.chunk_bytes,), unaligned=P.contig is None))
         if L.scaling == "block":
             self._launch(_quant_kernel, (triton.cdiv(P.nblocks, nbq),), dev,
                          flat, P.src, P.valid, pay, 0, sc, 0, nsrc, 1.0, 1.0, P.valid, P.valid, 0, res, 1.0,
@@ -347,7 +365,7 @@ class TritonCodec(Codec):
                      res, res, res, P.grp, P.gam_enc, epoch, P.nblocks, L.blocks_per_chunk, G,
                      FP8=self._fp8, BS=bs, NB=nba, SOURCE=source, SRC_GROUPED=False, DIV_MODE=_DIV_NONE,
                      HAS_RES=residual is not None, STORE_X=False, STORE_BAMAX=False, ATOMIC=True, IDX64=P.idx64,
-                     num_warps=_warps(nba, bs))
+                     num_warps=_warps(nba, bs), LW=min(bs, 32))
         nprog = max(triton.cdiv(P.nblocks, nbq), triton.cdiv(ng, _GROUPS_PER_PROGRAM))
         self._launch(_quant_kernel, (nprog,), dev,
                      flat, P.src, P.valid, pay, 0, sc, 0, nsrc, 1.0, 1.0, P.grp, P.gam_enc, epoch, res, 1.0,
@@ -372,7 +390,8 @@ class TritonCodec(Codec):
         gp, gs = L.gather_in, L.gather_in.view(torch.float32)[P.scale_word0:]
         seed = self._seed(generator, 1)
         nbq = _blocks_per_program(bs, _QUANT_TILE)
-        common = dict(BS=bs, SR=self.stochastic_rounding, IDX64=P.idx64, **self._consts())
+        common = dict(BS=bs, SR=self.stochastic_rounding, IDX64=P.idx64, **self._consts(),
+                      **_tile_args(bs, bpc, nbq, (L.chunk_bytes, C)))
         if L.scaling == "block":
             self._launch(_quant_kernel, (triton.cdiv(bpc, nbq),), dev,
                          rp, rp, rp, rp, L.chunk_bytes, rs, P.row_words, W, inv_w, float(W),
@@ -389,7 +408,8 @@ class TritonCodec(Codec):
                      L.shard, L.shard, L.shard, P.own_grp, P.gam_red, epoch, bpc, bpc, G,
                      FP8=self._fp8, BS=bs, NB=nba, SOURCE=_SRC_RECV, SRC_GROUPED=True, DIV_MODE=div_mode,
                      HAS_RES=False, STORE_X=True, STORE_BAMAX=False, ATOMIC=True, IDX64=P.idx64,
-                     num_warps=_warps(nba, bs))
+                     num_warps=_warps(nba, bs), LW=min(bs, 32),
+                     PAY_AL=_tile_args(bs, bpc, nba, (L.chunk_bytes,))["PAY_AL"])
         nprog = max(triton.cdiv(bpc, nbq), triton.cdiv(G, _GROUPS_PER_PROGRAM))
         self._launch(_quant_kernel, (nprog,), dev,
                      L.shard, L.shard, L.shard, rp, 0, rs, 0, 1, 1.0, 1.0, P.own_grp, P.gam_red, epoch,
@@ -411,5 +431,6 @@ class TritonCodec(Codec):
                      P.grp if grouped else P.valid, L.groups.groups_per_row, flat, P.src, P.valid,
                      P.nblocks, L.blocks_per_chunk, P.contig or 0,
                      FP8=self._fp8, BS=bs, NB=nb, GROUPED=grouped, SEGMENTED=True, IDX64=P.idx64,
-                     CONTIG=P.contig is not None, num_warps=_warps(nb, bs))
+                     CONTIG=P.contig is not None, num_warps=_warps(nb, bs),
+                     **_tile_args(bs, L.blocks_per_chunk, nb, (L.chunk_bytes,), unaligned=P.contig is None))
         return flat

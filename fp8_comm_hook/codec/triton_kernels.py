@@ -64,10 +64,42 @@ def _fp8_bits_to_f32(bits, MBITS: tl.constexpr, BIAS: tl.constexpr):
 
 @triton.jit
 def _block_amax(x):
-    """Row-wise max |x| of a [blocks, BS] tile, NaN reported as +Inf."""
+    """Max |x| per block of a [NB, KS, LW] tile (block = first axis), NaN reported as +Inf; shape
+    [NB, 1, 1]. Axis 2 is reduced across the lanes of a warp, axis 1 inside each thread."""
     ax = tl.abs(x)
     ax = tl.where(ax == ax, ax, float("inf"))
-    return tl.max(ax, axis=1)
+    return tl.max(tl.max(ax, axis=2, keep_dims=True), axis=1, keep_dims=True)
+
+
+@triton.jit
+def _tile(pid, nblocks, bpc, NB: tl.constexpr, BS: tl.constexpr, LW: tl.constexpr, ONE_WRAP: tl.constexpr,
+          IDX64: tl.constexpr):
+    """Index tensors of program ``pid``'s tile of NB blocks, laid out [NB, KS, LW] with KS = BS // LW:
+    element (r, k, l) is column k * LW + l of block r, so the LW lanes of a warp touch LW consecutive
+    elements of one block (coalesced even when the block's source address is unaligned) and a block's
+    amax needs no shared memory. Returns (block id [1, NB, 1], its mask, its packed row and block in
+    the row, column [1, KS, LW]); warps split the blocks (axis 0)."""
+    KS: tl.constexpr = BS // LW
+    b0 = pid * NB
+    if IDX64:
+        b0 = b0.to(tl.int64)
+    r = tl.arange(0, NB)[:, None, None]
+    b = b0 + r
+    bmask = b < nblocks
+    # row = b // bpc without a division per block: the tile starts in row0 and, when a row holds
+    # at least NB blocks, crosses at most one row boundary.
+    row0 = b0 // bpc
+    lb0 = b0 - row0 * bpc
+    if ONE_WRAP:
+        lbr = lb0 + r
+        wrap = (lbr >= bpc).to(lbr.dtype)
+        row = row0 + wrap
+        lb = lbr - wrap * bpc
+    else:
+        row = b // bpc
+        lb = b - row * bpc
+    cols = tl.arange(0, KS)[None, :, None] * LW + tl.arange(0, LW)[None, None, :]
+    return b, bmask, row, lb, cols
 
 
 @triton.jit
@@ -112,34 +144,35 @@ def _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, r
                  sgrp_ptr, nsrc, bpc, G, inv_w, w_f,
                  FP8: tl.constexpr, BS: tl.constexpr, SOURCE: tl.constexpr, SRC_GROUPED: tl.constexpr,
                  DIV_MODE: tl.constexpr):
-    """The fp32 [blocks, BS] tile of blocks ``b``: from a dense padded buffer, from the unpadded
-    bucket through the segment table, or as the rank-ordered sum of ``nsrc`` received chunks."""
+    """The fp32 tile of blocks ``b`` ([NB, 1, 1]; columns ``cols`` [1, KS, LW]): from a dense padded
+    buffer, from the unpadded bucket through the segment table, or as the rank-ordered sum of
+    ``nsrc`` received chunks."""
     if SOURCE == 0:
-        x = tl.load(x_ptr + b[:, None] * BS + cols[None, :], mask=bmask[:, None], other=0.0)
+        x = tl.load(x_ptr + b * BS + cols, mask=bmask, other=0.0)
     elif SOURCE == 1:
         src = tl.load(src_ptr + b, mask=bmask, other=0)
         nv = tl.load(valid_ptr + b, mask=bmask, other=0)
-        m = cols[None, :] < nv[:, None]
-        x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + src + cols, mask=cols < nv, other=0.0).to(tl.float32)
     elif SOURCE == 3:
-        eo = b[:, None] * BS + cols[None, :]
-        x = tl.load(x_ptr + eo, mask=bmask[:, None] & (eo < nsrc), other=0.0).to(tl.float32)
+        eo = b * BS + cols
+        x = tl.load(x_ptr + eo, mask=bmask & (eo < nsrc), other=0.0).to(tl.float32)
     else:
-        poffs = b[:, None] * BS + cols[None, :]
+        poffs = b * BS + cols
         if SRC_GROUPED:
             gidx = tl.load(sgrp_ptr + b, mask=bmask, other=0)
         else:
             gidx = b
-        q = tl.load(rp_ptr + poffs, mask=bmask[:, None], other=0)
-        si = tl.load(rs_ptr + gidx, mask=bmask, other=0.0)
-        x = q.to(FP8, bitcast=True).to(tl.float32) * si[:, None]
-        s = 1
+        # The sum starts from -0.0, which adds exactly (-0 + a == a, signed zeros included), so every
+        # source, the first too, is read at s * rp_stride: all of them with the alignment promised
+        # for the stride, none wider (a wider first read would widen the whole tile's layout).
+        x = tl.full(poffs.shape, -0.0, tl.float32)
+        s = 0
         while s < nsrc:  # rank order, as the reference; a while loop also runs under older interpreters
             if SRC_GROUPED:
                 gidx = tl.load(sgrp_ptr + s * bpc + b, mask=bmask, other=0) - s * G
-            q = tl.load(rp_ptr + s * rp_stride + poffs, mask=bmask[:, None], other=0)
+            q = tl.load(rp_ptr + s * rp_stride + poffs, mask=bmask, other=0)
             si = tl.load(rs_ptr + s * rs_stride + gidx, mask=bmask, other=0.0)
-            x = x + q.to(FP8, bitcast=True).to(tl.float32) * si[:, None]
+            x = x + q.to(FP8, bitcast=True).to(tl.float32) * si
             s += 1
         if DIV_MODE == 1:
             x = x * inv_w
@@ -148,39 +181,44 @@ def _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, r
     return x
 
 
-@triton.jit(do_not_specialize=["nsrc", "epoch", "nblocks", "bpc", "G"])
+@triton.jit(do_not_specialize=["nsrc", "epoch", "nblocks", "bpc", "G", "rp_stride", "rs_stride"])
 def _amax_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, sgrp_ptr, nsrc, inv_w, w_f,
                  res_ptr, xout_ptr, bamax_ptr, grp_ptr, gam_ptr, epoch, nblocks, bpc, G,
                  FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, SOURCE: tl.constexpr,
                  SRC_GROUPED: tl.constexpr, DIV_MODE: tl.constexpr, HAS_RES: tl.constexpr,
-                 STORE_X: tl.constexpr, STORE_BAMAX: tl.constexpr, ATOMIC: tl.constexpr, IDX64: tl.constexpr):
+                 STORE_X: tl.constexpr, STORE_BAMAX: tl.constexpr, ATOMIC: tl.constexpr, IDX64: tl.constexpr,
+                 LW: tl.constexpr = 32, PAY_AL: tl.constexpr = 1):
     """Load (and optionally store) a tile of blocks, compute block amaxes, and fold them into the
     epoch-tagged group amax with one atomic max per run of equal groups in the tile."""
     pid = tl.program_id(0)
-    rows = tl.arange(0, NB)
-    cols = tl.arange(0, BS)
-    b = pid * NB + rows
-    if IDX64:
-        b = b.to(tl.int64)
-    bmask = b < nblocks
+    if PAY_AL > 1:  # (s // a) * a: the compiler then knows the stride is a multiple of a
+        rp_stride = (rp_stride // PAY_AL) * PAY_AL
+    b, bmask, _, _, cols = _tile(pid, nblocks, nblocks, NB, BS, LW, True, IDX64)
     x = _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, sgrp_ptr,
                      nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, SRC_GROUPED, DIV_MODE)
-    eoffs = b[:, None] * BS + cols[None, :]
+    eoffs = b * BS + cols
     if HAS_RES:
-        x = x + tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+        x = x + tl.load(res_ptr + eoffs, mask=bmask, other=0.0)
     if STORE_X:
-        tl.store(xout_ptr + eoffs, x, mask=bmask[:, None])
+        tl.store(xout_ptr + eoffs, x, mask=bmask)
     if STORE_BAMAX or ATOMIC:
-        a = _block_amax(x)
-        a = tl.where(bmask, a, 0.0)
+        ax = tl.abs(x)
+        ax = tl.where(ax == ax, ax, float("inf"))
+        a = tl.max(tl.max(ax, axis=2), axis=1)
+        rows = tl.arange(0, NB)
+        b1 = pid * NB + rows
+        if IDX64:
+            b1 = b1.to(tl.int64)
+        bm1 = b1 < nblocks
+        a = tl.where(bm1, a, 0.0)
         if STORE_BAMAX:
-            tl.store(bamax_ptr + b, a, mask=bmask)
+            tl.store(bamax_ptr + b1, a, mask=bm1)
         if ATOMIC:
-            g = tl.load(grp_ptr + b, mask=bmask, other=-1)
-            same = (g[:, None] == g[None, :]) & bmask[None, :]
+            g = tl.load(grp_ptr + b1, mask=bm1, other=-1)
+            same = (g[:, None] == g[None, :]) & bm1[None, :]
             gmax = tl.max(tl.where(same, a[None, :], 0.0), axis=1)
-            gprev = tl.load(grp_ptr + b - 1, mask=bmask & (rows > 0), other=-1)
-            first = bmask & ((rows == 0) | (g != gprev))
+            gprev = tl.load(grp_ptr + b1 - 1, mask=bm1 & (rows > 0), other=-1)
+            first = bm1 & ((rows == 0) | (g != gprev))
             tagged = (epoch.to(tl.int64) << 32) | gmax.to(tl.int32, bitcast=True).to(tl.int64)
             tl.atomic_max(gam_ptr + g, tagged, mask=first, sem="relaxed")
 
@@ -196,7 +234,8 @@ def _amax_finish_kernel(gam_ptr, out_ptr, epoch, ngroups, GB: tl.constexpr):
     tl.store(out_ptr + gi, a, mask=gm)
 
 
-@triton.jit(do_not_specialize=["nsrc", "epoch", "seed", "nblocks", "bpc", "G", "ngroups"])
+@triton.jit(do_not_specialize=["nsrc", "epoch", "seed", "nblocks", "bpc", "G", "ngroups", "rp_stride",
+                               "rs_stride", "pay_stride", "sc_stride"])
 def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, nsrc, inv_w, w_f,
                   grp_ptr, amax_ptr, epoch, res_ptr, res_scale,
                   pay_ptr, pay_stride, sc_ptr, sc_stride,
@@ -205,7 +244,8 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
                   BIAS: tl.constexpr, SOFT_FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, GB: tl.constexpr,
                   SOURCE: tl.constexpr,
                   AMAX_MODE: tl.constexpr, RES_MODE: tl.constexpr, SR: tl.constexpr, DIV_MODE: tl.constexpr,
-                  IDX64: tl.constexpr):
+                  IDX64: tl.constexpr, LW: tl.constexpr = 32, PAY_AL: tl.constexpr = 1,
+                  ONE_WRAP: tl.constexpr = False):
     """Quantize a tile of blocks into packed rows (payload bytes + fp32 scale_inv per group).
 
     AMAX_MODE 0: each block's own amax (block scaling, one pass); 1: the group's amax from the
@@ -213,19 +253,19 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
     program also writes scale_inv for groups [pid * GB, pid * GB + GB).
     RES_MODE 1 (encode): x += res, res = x - dequant(q). RES_MODE 2 (fold): res += res_scale * (x - dequant(q)).
     In both, a residual element whose new value is not finite keeps its old one.
+    PAY_AL: the byte alignment promised for payload rows (their stride); 1 where the source is read
+    unaligned, so that no access is widened past what the unaligned loads can coalesce.
     """
     pid = tl.program_id(0)
-    rows = tl.arange(0, NB)
-    cols = tl.arange(0, BS)
-    b = pid * NB + rows
-    if IDX64:
-        b = b.to(tl.int64)
-    bmask = b < nblocks
+    if PAY_AL > 1:  # (s // a) * a: the compiler then knows the stride is a multiple of a
+        pay_stride = (pay_stride // PAY_AL) * PAY_AL
+        rp_stride = (rp_stride // PAY_AL) * PAY_AL
+    b, bmask, row, lb, cols = _tile(pid, nblocks, bpc, NB, BS, LW, ONE_WRAP, IDX64)
     x = _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, grp_ptr,
                      nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, False, DIV_MODE)
-    eoffs = b[:, None] * BS + cols[None, :]
+    eoffs = b * BS + cols
     if RES_MODE == 1:
-        r_old = tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+        r_old = tl.load(res_ptr + eoffs, mask=bmask, other=0.0)
         x = x + r_old
     if AMAX_MODE == 0:
         amax = _block_amax(x)
@@ -239,7 +279,7 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
     else:
         amax = tl.load(amax_ptr + b, mask=bmask, other=0.0)
     scale, sinv = _scales(amax, FMAX, pre_scale)
-    y = x * scale[:, None]
+    y = x * scale
     y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
     if SR:
         y = _stochastic_round(y, seed, eoffs, MBITS, MIN_EXP, FMAX)
@@ -250,22 +290,20 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
         qb = _soft_fp8_bits(y, MBITS, MIN_EXP, BIAS)
     else:
         qb = y.to(FP8).to(tl.uint8, bitcast=True)
-    row = b // bpc
-    lb = b - row * bpc
-    tl.store(pay_ptr + row[:, None] * pay_stride + lb[:, None] * BS + cols[None, :], qb, mask=bmask[:, None])
+    tl.store(pay_ptr + row * pay_stride + lb * BS + cols, qb, mask=bmask)
     if AMAX_MODE == 0 or AMAX_MODE == 3:
         tl.store(sc_ptr + row * sc_stride + lb, sinv, mask=bmask)
     if RES_MODE != 0:
-        dq = _fp8_bits_to_f32(qb.to(tl.int32), MBITS, BIAS) * sinv[:, None]
+        dq = _fp8_bits_to_f32(qb.to(tl.int32), MBITS, BIAS) * sinv
         # A non-finite update (the group held an Inf or NaN) keeps the residual from before the
         # step (the reference's keep_finite_).
         if RES_MODE == 1:
             r_new = x - dq
         else:
-            r_old = tl.load(res_ptr + eoffs, mask=bmask[:, None], other=0.0)
+            r_old = tl.load(res_ptr + eoffs, mask=bmask, other=0.0)
             r_new = r_old + (x - dq) * res_scale
         r_new = tl.where(tl.abs(r_new) < float("inf"), r_new, r_old)
-        tl.store(res_ptr + eoffs, r_new, mask=bmask[:, None])
+        tl.store(res_ptr + eoffs, r_new, mask=bmask)
     if AMAX_MODE == 1 or AMAX_MODE == 2:
         if pid * GB < ngroups:
             gi = pid * GB + tl.arange(0, GB)
@@ -281,35 +319,31 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
             tl.store(sc_ptr + grow * sc_stride + (gi - grow * G), gsinv, mask=gm)
 
 
-@triton.jit(do_not_specialize=["G", "nblocks", "bpc"])
+@triton.jit(do_not_specialize=["G", "nblocks", "bpc", "pay_stride", "sc_stride"])
 def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr, src_ptr, valid_ptr,
                     nblocks, bpc, nvalid,
                     FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, GROUPED: tl.constexpr,
-                    SEGMENTED: tl.constexpr, IDX64: tl.constexpr, CONTIG: tl.constexpr = False):
+                    SEGMENTED: tl.constexpr, IDX64: tl.constexpr, CONTIG: tl.constexpr = False,
+                    LW: tl.constexpr = 32, PAY_AL: tl.constexpr = 1, ONE_WRAP: tl.constexpr = False):
     """``q * scale_inv`` per block of packed rows, into a dense fp32 buffer or (SEGMENTED) straight
     into the unpadded bucket in its dtype, skipping padding."""
     pid = tl.program_id(0)
-    cols = tl.arange(0, BS)
-    b = pid * NB + tl.arange(0, NB)
-    if IDX64:
-        b = b.to(tl.int64)
-    bmask = b < nblocks
-    row = b // bpc
-    lb = b - row * bpc
+    if PAY_AL > 1:  # (s // a) * a: the compiler then knows the stride is a multiple of a
+        pay_stride = (pay_stride // PAY_AL) * PAY_AL
+    b, bmask, row, lb, cols = _tile(pid, nblocks, bpc, NB, BS, LW, ONE_WRAP, IDX64)
     if GROUPED:
         gl = tl.load(grp_ptr + b, mask=bmask, other=0) - row * G
     else:
         gl = lb
-    q = tl.load(pay_ptr + row[:, None] * pay_stride + lb[:, None] * BS + cols[None, :], mask=bmask[:, None], other=0)
+    q = tl.load(pay_ptr + row * pay_stride + lb * BS + cols, mask=bmask, other=0)
     si = tl.load(sc_ptr + row * sc_stride + gl, mask=bmask, other=0.0)
-    v = q.to(FP8, bitcast=True).to(tl.float32) * si[:, None]
+    v = q.to(FP8, bitcast=True).to(tl.float32) * si
     if CONTIG:  # one run from offset 0: plain stores of the first nvalid elements
-        eo = b[:, None] * BS + cols[None, :]
-        tl.store(out_ptr + eo, v.to(out_ptr.dtype.element_ty), mask=bmask[:, None] & (eo < nvalid))
+        eo = b * BS + cols
+        tl.store(out_ptr + eo, v.to(out_ptr.dtype.element_ty), mask=bmask & (eo < nvalid))
     elif SEGMENTED:
         src = tl.load(src_ptr + b, mask=bmask, other=0)
         nv = tl.load(valid_ptr + b, mask=bmask, other=0)
-        tl.store(out_ptr + src[:, None] + cols[None, :], v.to(out_ptr.dtype.element_ty),
-                 mask=cols[None, :] < nv[:, None])
+        tl.store(out_ptr + src + cols, v.to(out_ptr.dtype.element_ty), mask=cols < nv)
     else:
-        tl.store(out_ptr + b[:, None] * BS + cols[None, :], v, mask=bmask[:, None])
+        tl.store(out_ptr + b * BS + cols, v, mask=bmask)
