@@ -6,9 +6,12 @@ Ops (the three stages of two_shot, on a bucket of several parameters with odd si
   dequant_sum_requant   = codec.reduce_shard(layout)       (W received chunks -> fp32 mean -> packed shard)
   dequantize            = codec.decode(layout, flat)       (W gathered shards -> the bucket)
 
-Time: median over many calls of the device time between CUDA events recorded around each call,
-after warm-up; when an op's working set is small enough to stay in L2, calls rotate over several
-independent buckets/layouts so every call reads cold memory.
+Time: GPU time. After warm-up the op's calls are captured into a CUDA graph (one call per rotating
+bucket) and the graph's replays are timed with CUDA events; the median replay over the number of
+calls in it is one call's GPU time, without the host's launch cost (``timing: "graph"`` in a row;
+an op that cannot be captured is timed as eager calls between events, ``timing: "events"``). When an
+op's working set is small enough to stay in L2, calls rotate over several independent
+buckets/layouts so every call reads cold memory.
 
 Bytes counted (the minimum traffic of the op, every byte moved once; effective GB/s = bytes / time):
   quantize:             numel * input_bytes            + W * chunk_bytes
@@ -94,6 +97,39 @@ def time_calls(fns, budget_s: float, min_reps: int = 5, max_reps: int = 100, war
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def graph_time_ms(fns, budget_s: float, min_reps: int = 5, max_reps: int = 200) -> float:
+    """Median device milliseconds of one call: the calls ``fns`` (rotating buckets) are captured
+    once into a CUDA graph, whose replays are timed with CUDA events; the time of one replay over
+    ``len(fns)`` is the GPU time of one call without the host's launch cost in it."""
+    import torch
+    for f in fns:
+        f()
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    for _ in range(2):
+        g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize()
+    est = max(time.perf_counter() - t0, 1e-6)
+    reps = int(min(max_reps, max(min_reps, budget_s / est)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        g.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / len(fns)
+    del g
+    return ms
 
 
 def copy_bandwidth_gbps(budget_s: float) -> float:
@@ -210,14 +246,22 @@ def bench_codecs(args, copy_gbps: float, rows: list) -> None:
                             nbytes = op_bytes(op, sets[0][1], numel, esize)
                             k = 1 if nbytes >= target else min(len(sets), math.ceil(target / nbytes))
                             fns = [op_call(codec, op, f, L) for f, L in sets[:k]]
+                            timing = "graph"
                             try:
-                                ms = time_calls(fns, args.budget, warmup=max(3, k))
-                            except Exception as e:  # keep going: one broken combination must not end the run
-                                print(f"FAILED {backend} {op} {scaling} {dname} {numel}: {e!r}", flush=True)
-                                continue
+                                ms = graph_time_ms(fns, args.budget)
+                            except Exception as e:  # not capturable: time the eager calls instead
+                                print(f"no graph for {backend} {op} {scaling} {dname} {numel} ({e!r}): "
+                                      "timing eager calls", flush=True)
+                                torch.cuda.synchronize()
+                                timing = "events"
+                                try:
+                                    ms = time_calls(fns, args.budget, warmup=max(3, k))
+                                except Exception as e2:  # keep going: one broken combination must not end the run
+                                    print(f"FAILED {backend} {op} {scaling} {dname} {numel}: {e2!r}", flush=True)
+                                    continue
                             row = dict(backend=backend, op=op, scaling=scaling, fp8_format=fmt_name, dtype=dname,
                                        numel=numel, world=args.world, us=ms * 1e3,
-                                       gbps=nbytes / (ms * 1e-3) / 1e9, copy_gbps=copy_gbps)
+                                       gbps=nbytes / (ms * 1e-3) / 1e9, copy_gbps=copy_gbps, timing=timing)
                             rows.append(row)
                             print(fmt_row(row) + (f" (rotating {k})" if k > 1 else ""), flush=True)
                     del sets
