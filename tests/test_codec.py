@@ -183,3 +183,27 @@ def test_stochastic_rounding_is_unbiased_and_on_grid():
     err_sr = (acc / reps - x.double()).norm().item()
     err_rne = (rne.double() - x.double()).norm().item()
     assert err_sr < err_rne / 3
+
+
+def test_auto_backend_table_matches_committed_measurements():
+    """``backend="auto"`` on CUDA picks, per scaling mode, the backend whose encode + reduce_shard +
+    decode GPU time for a 6.55M-element fp32 bucket is the smaller in the committed H200 benchmark."""
+    import json
+    import os
+
+    from fp8_comm_hook.codec.select import FASTER_ON_GPU
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
+                        "codec-h200.json")
+    with open(path) as f:
+        rows = json.load(f)
+    ops = ("quantize", "dequant_sum_requant", "dequantize")
+    for scaling in ("block", "tensor", "bucket"):
+        total = {}
+        for b in ("triton", "te"):
+            sel = [r for r in rows if r["backend"] == b and r["scaling"] == scaling and r["dtype"] == "float32"
+                   and r["numel"] == 6_553_600 and r["op"] in ops]
+            if len(sel) == len(ops):
+                total[b] = sum(r["us"] for r in sel)
+        assert "triton" in total, f"no Triton rows for scaling={scaling!r} in {path}"
+        assert FASTER_ON_GPU[scaling] == min(total, key=total.get), (scaling, total)
