@@ -19,8 +19,11 @@ import torch
 __all__ = ["CommWorker"]
 
 
-def _serve(jobs: "queue.SimpleQueue") -> None:
+def _serve(jobs: "queue.SimpleQueue", num_threads: int) -> None:
     """The worker thread's loop: run each job, hand its result or error to its Future; None stops."""
+    # Intra-op threads are a per-thread setting in OpenMP builds: a new thread would use every core,
+    # oversubscribing a rank pinned to a few. Use what the thread that started the worker uses.
+    torch.set_num_threads(num_threads)
     while True:
         job = jobs.get()
         if job is None:
@@ -59,7 +62,8 @@ class CommWorker:
         ``fn`` starts only after the work queued so far on the caller's current stream, and the
         Future is CUDA-aware (its users wait for ``fn``'s kernels)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=_serve, args=(self._jobs,), name=self.name, daemon=True)
+            self._thread = threading.Thread(target=_serve, args=(self._jobs, torch.get_num_threads()), name=self.name,
+                                            daemon=True)
             self._thread.start()
         ready = None
         if device is not None and device.type == "cuda":
