@@ -83,9 +83,16 @@ def time_calls(fns, budget_s: float, min_reps: int = 5, max_reps: int = 100, war
     import torch
     for i in range(warmup):
         fns[i % len(fns)]()
+    return _event_median_ms(lambda i: fns[i % len(fns)](), budget_s, min_reps, max_reps)
+
+
+def _event_median_ms(call, budget_s: float, min_reps: int, max_reps: int) -> float:
+    """Median CUDA-event milliseconds of ``call(i)`` over as many repeats as ``budget_s`` allows (one
+    timed call estimates the count), between ``min_reps`` and ``max_reps``."""
+    import torch
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fns[0]()
+    call(0)
     torch.cuda.synchronize()
     est = max(time.perf_counter() - t0, 1e-6)
     reps = int(min(max_reps, max(min_reps, budget_s / est)))
@@ -93,7 +100,7 @@ def time_calls(fns, budget_s: float, min_reps: int = 5, max_reps: int = 100, war
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
         starts[i].record()
-        fns[i % len(fns)]()
+        call(i)
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
@@ -114,20 +121,7 @@ def graph_time_ms(fns, budget_s: float, min_reps: int = 5, max_reps: int = 200) 
             f()
     for _ in range(2):
         g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    g.replay()
-    torch.cuda.synchronize()
-    est = max(time.perf_counter() - t0, 1e-6)
-    reps = int(min(max_reps, max(min_reps, budget_s / est)))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        g.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) / len(fns)
+    ms = _event_median_ms(lambda i: g.replay(), budget_s, min_reps, max_reps) / len(fns)
     del g
     return ms
 
