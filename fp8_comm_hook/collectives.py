@@ -58,6 +58,14 @@ def _track_nonfinite(stats: Optional[CommStats], scale_inv: torch.Tensor) -> Non
         stats.add_device("nonfinite_buckets", (~torch.isfinite(scale_inv)).any())
 
 
+def _nonfinite(t: torch.Tensor) -> torch.Tensor:
+    """Device bool: does the uncompressed mean ``t`` hold an Inf or NaN? One pass (an fp32 sum, which
+    an Inf or NaN anywhere makes non-finite) instead of ``isfinite`` + ``any`` (30x the time on one
+    CPU core for a 4M-element bucket). A finite bucket whose sum leaves the fp32 range (|sum| > 3.4e38)
+    counts as non-finite too."""
+    return ~torch.isfinite(t.sum(dtype=torch.float32))
+
+
 def _scatter_reduce(flat: torch.Tensor, layout: BucketLayout, codec, group, residual: Optional[torch.Tensor],
                     generator: Optional[torch.Generator]) -> None:
     """The first half of two_shot and the whole FP8 reduce-scatter: quantize each destination chunk
@@ -215,7 +223,7 @@ def plain_all_reduce(flat: torch.Tensor, group=None, *, stats: Optional[CommStat
     def finish() -> torch.Tensor:
         flat.div_(W)
         if stats is not None:
-            stats.add_device("nonfinite_buckets", (~torch.isfinite(flat)).any())
+            stats.add_device("nonfinite_buckets", _nonfinite(flat))
         return flat
 
     if stats is not None:
@@ -316,7 +324,7 @@ def plain_reduce_scatter(flat: torch.Tensor, out: torch.Tensor, group=None, *, a
         out.div_(W)
     if stats is not None:
         stats.add("bytes_sent", ring_reduce_scatter_bytes(flat.numel() * flat.element_size(), W))
-        stats.add_device("nonfinite_buckets", (~torch.isfinite(out)).any())
+        stats.add_device("nonfinite_buckets", _nonfinite(out))
     return out
 
 
