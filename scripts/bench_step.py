@@ -14,8 +14,8 @@ fixed batch after ``--warmup`` steps, the modes' steps interleaved; reported per
 - ``buckets``: hook calls per step.
 
 Modes: ``fp32`` (DDP's own all-reduce), ``bf16`` (torch's ``bf16_compress_hook`` on NCCL, the same
-recipe from :mod:`fp8_comm_hook.cast_hook` elsewhere), ``fp8`` with ``algorithm`` two_shot and
-nccl_fp8 (nccl_fp8 only on NCCL with an sm90+ GPU). Every mode runs the full multi-rank code path:
+recipe from :mod:`fp8_comm_hook.cast_hook` elsewhere), ``fp8`` with ``algorithm`` two_shot, nccl_fp8
+(only on NCCL with an sm90+ GPU) and auto (measured as ``register_ddp_hook`` does). Every mode runs the full multi-rank code path:
 the package has no world-1 shortcut.
 
 World 1 over NCCL (the default) measures the fixed cost of each hook; ``--world N --backend gloo
@@ -44,7 +44,7 @@ if ROOT not in sys.path:  # the spawned ranks import the package from the checko
     sys.path.insert(0, ROOT)
     os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
 
-MODES = [("fp32", None), ("bf16", None), ("fp8", "two_shot"), ("fp8", "nccl_fp8")]
+MODES = [("fp32", None), ("bf16", None), ("fp8", "two_shot"), ("fp8", "nccl_fp8"), ("fp8", "auto")]
 
 
 def _sync(device):
@@ -95,6 +95,12 @@ def _register(model, mode, algorithm, backend, bucket_state_cfg):
         model.register_comm_hook(pg, timer.make())
         return timer
     state = FP8CommState(bucket_state_cfg.replace(algorithm=algorithm), pg).bind(model)
+    # register_ddp_hook's set-up, with the hook wrapped in the timer: the gloo communication worker ...
+    from fp8_comm_hook.ddp import _start_worker
+    _start_worker(state, pg)
+    if algorithm == "auto":  # what register_ddp_hook does: measure the group and the codec, choose per bucket
+        from fp8_comm_hook import autotune
+        autotune.tune(state, next(model.parameters()).device)
     timer = _HookTimer(fp8_hook)
     model.register_comm_hook(state, timer.make())
     return timer
@@ -224,7 +230,7 @@ def _plot(rows, path, title):
     for ax, dt in zip(axes[0], dtypes):
         sub = [r for r in rows if r["param_dtype"] == dt]
         names = [r["mode"] if r["algorithm"] is None else f"fp8\n{r['algorithm']}" for r in sub]
-        ax.bar(names, [r["step_ms"] for r in sub], color=["#888", "#4a7", "#c54", "#d93"][:len(sub)])
+        ax.bar(names, [r["step_ms"] for r in sub], color=["#888", "#4a7", "#c54", "#d93", "#57b"][:len(sub)])
         ax.bar(names, [r["backward_host_ms"] for r in sub], width=0.3, color="k", alpha=0.35,
                label="host time in backward")
         ax.set_title(f"{dt} parameters")
@@ -252,7 +258,7 @@ def main(argv=None):
     p.add_argument("--codec", default="auto", choices=["auto", "torch", "triton", "te"],
                    help="FP8CommConfig.backend of the fp8 rows")
     p.add_argument("--modes", nargs="*", default=None,
-                   help="run only these (fp32 bf16 two_shot nccl_fp8); default all that can run here")
+                   help="run only these (fp32 bf16 two_shot nccl_fp8 auto); default all that can run here")
     p.add_argument("--profile", nargs="*", default=None,
                    help="print a cProfile of the measured steps of these modes (fp32 parameters, rank 0)")
     p.add_argument("--out", default="benchmarks/results/step-h200")
