@@ -76,7 +76,9 @@ def _scatter_reduce(flat: torch.Tensor, layout: BucketLayout, codec, group, resi
     _all_to_all_rows(layout.recv, layout.send, group)
 
 
-#: On gloo the FP8 exchanges go as point-to-point messages of at most this many bytes. Measured over
+#: On gloo with CPU tensors the FP8 exchanges go as point-to-point messages of at most this many bytes
+#: (gloo's send/recv take host memory only; CUDA tensors keep gloo's collectives, which stage them
+#: through the host themselves). Measured over
 #: a 0.2 Gbit/s shaped link between two ranks: one all-to-all of 2 x 2.2 MB took 88 ms in some runs and
 #: 171-176 ms (twice its transfer) in others, an all-gather of 2.2 MB 87-148 ms; sent as 16 pieces the
 #: same bytes took 90.5-94 ms every time. gloo's own ring all-reduce sends pieces too.
@@ -108,6 +110,11 @@ def _exchange_rows(recv: torch.Tensor, send_row, group) -> None:
         w.wait()
 
 
+def _in_pieces(t: torch.Tensor, group) -> bool:
+    """Whether an exchange of ``t`` goes as point-to-point pieces: CPU tensors on gloo."""
+    return t.device.type == "cpu" and dist.get_backend(group) == "gloo"
+
+
 def _global_rank(group, group_rank: int) -> int:
     if group is None or group is dist.group.WORLD:
         return group_rank
@@ -115,18 +122,18 @@ def _global_rank(group, group_rank: int) -> int:
 
 
 def _all_to_all_rows(recv: torch.Tensor, send: torch.Tensor, group) -> None:
-    """``recv[r]`` = rank r's ``send`` row for this rank: one ``all_to_all_single`` (NCCL), or on
-    gloo :func:`_exchange_rows` (pieces). Returns when the exchange is complete."""
-    if dist.get_backend(group) == "gloo":
+    """``recv[r]`` = rank r's ``send`` row for this rank: one ``all_to_all_single``, or for CPU
+    tensors on gloo :func:`_exchange_rows` (pieces). Returns when the exchange is complete."""
+    if _in_pieces(recv, group):
         _exchange_rows(recv, lambda dst: send[dst], group)
     else:
         dist.all_to_all_single(recv, send, group=group, async_op=True).wait()
 
 
 def _all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group):
-    """``out[r]`` = rank r's ``inp`` (uint8): an async all-gather (NCCL: returns its work), or on gloo
-    :func:`_exchange_rows` (pieces; complete on return, returns a completed work)."""
-    if dist.get_backend(group) != "gloo":
+    """``out[r]`` = rank r's ``inp`` (uint8): an async all-gather (returns its work), or for CPU tensors
+    on gloo :func:`_exchange_rows` (pieces; complete on return, returns a completed work)."""
+    if not _in_pieces(out, group):
         return all_gather_into(out.view(-1), inp, group=group, async_op=True)
     _exchange_rows(out, lambda dst: inp, group)
     fut = torch.futures.Future()
