@@ -85,11 +85,6 @@ def _scatter_reduce(flat: torch.Tensor, layout: BucketLayout, codec, group, resi
 GLOO_PIECE_BYTES = 1 << 17
 
 
-def _pieces(numel: int):
-    step = max(1, GLOO_PIECE_BYTES)
-    return [slice(a, min(a + step, numel)) for a in range(0, numel, step)]
-
-
 def _exchange_rows(recv: torch.Tensor, send_row, group) -> None:
     """gloo: row r of ``recv`` (uint8 [W, n]) from rank r, ``send_row(dst)`` (uint8 [n]) to every
     other rank ``dst``, in pieces of at most :data:`GLOO_PIECE_BYTES`, all posted at once, one tag
@@ -101,9 +96,10 @@ def _exchange_rows(recv: torch.Tensor, send_row, group) -> None:
         dst, src = (rank + i) % W, (rank - i) % W
         gdst, gsrc = _global_rank(group, dst), _global_rank(group, src)
         out = send_row(dst)
-        for tag, sl in enumerate(_pieces(n)):
-            ops.append(dist.P2POp(dist.isend, out[sl], gdst, group, tag))
-            ops.append(dist.P2POp(dist.irecv, recv[src, sl], gsrc, group, tag))
+        for tag, a in enumerate(range(0, n, GLOO_PIECE_BYTES)):
+            b = a + GLOO_PIECE_BYTES
+            ops.append(dist.P2POp(dist.isend, out[a:b], gdst, group, tag))
+            ops.append(dist.P2POp(dist.irecv, recv[src, a:b], gsrc, group, tag))
     works = dist.batch_isend_irecv(ops) if ops else []
     recv[rank].copy_(send_row(rank))
     for w in works:

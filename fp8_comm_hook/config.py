@@ -10,7 +10,7 @@ import math
 import os
 from typing import Any, Mapping, Optional
 
-__all__ = ["FP8CommConfig", "ENV_PREFIX"]
+__all__ = ["FP8CommConfig", "ENV_PREFIX", "env_switch"]
 
 ENV_PREFIX = "FP8_COMM_"
 
@@ -161,3 +161,10 @@ def _parse_field(name: str, text: str):
         except ValueError:
             raise ValueError("pre_scale must be a number or 'none'") from None
     return text
+
+
+def env_switch(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """A switch that is on unless the environment variable ``name`` says "0", "false", "no" or "off"
+    (any case): ``FP8_COMM_CUDA_GRAPHS``, ``FP8_COMM_WORKER``."""
+    environ = os.environ if environ is None else environ
+    return environ.get(name, "1").strip().lower() not in _FALSE

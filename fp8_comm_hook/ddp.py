@@ -4,14 +4,13 @@ No ``from __future__ import annotations`` here: DDP inspects the hook's signatur
 parameter must be named ``bucket`` and annotated types must be real classes).
 """
 import logging
-import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from . import autotune, collectives, registry
-from .config import FP8CommConfig
+from .config import FP8CommConfig, env_switch
 from .reduce import reduce_bucket
 from .state import FP8CommState
 
@@ -50,7 +49,7 @@ def _start_worker(state: FP8CommState, pg) -> None:
     creation is itself a collective)."""
     if state.backend != "gloo":
         return
-    if os.environ.get(_WORKER_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not env_switch(_WORKER_ENV):
         log.info("fp8_comm_hook: %s=0: FP8 buckets run on the hook's thread", _WORKER_ENV)
         return
     if state.config.stochastic_rounding:

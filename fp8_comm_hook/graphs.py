@@ -21,11 +21,12 @@ step (from the last sum's saturation count, copied to the host without stalling 
 selects one graph per value it takes; it steadies at 1 or a halving of it. ``FP8_COMM_CUDA_GRAPHS=0`` turns graphs off (for debugging; logged).
 """
 import logging
-import os
 import weakref
 from typing import Callable, Dict, Optional
 
 import torch
+
+from .config import env_switch
 
 __all__ = ["BucketGraphs", "graphs_enabled"]
 
@@ -36,7 +37,7 @@ _ENV = "FP8_COMM_CUDA_GRAPHS"
 
 def graphs_enabled() -> bool:
     """False when the environment variable ``FP8_COMM_CUDA_GRAPHS`` is "0" (graphs are on by default)."""
-    return os.environ.get(_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return env_switch(_ENV)
 
 
 class BucketGraphs:
