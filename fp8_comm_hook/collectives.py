@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .codec.base import keep_finite_
+from .codec.base import count_saturated, keep_finite_
 from .layout import BucketLayout
 from .stats import (CommStats, fp8_reduce_scatter_bytes, fp8_sum_bytes, ring_allreduce_bytes,
                     ring_reduce_scatter_bytes, two_shot_bytes)
@@ -73,12 +73,12 @@ def _scatter_reduce(flat: torch.Tensor, layout: BucketLayout, codec, group, resi
     ``all_to_all_single`` of the packed bytes; afterwards ``layout.recv`` row r holds rank r's
     contribution to this rank's shard."""
     codec.encode(flat, layout, residual, generator)
-    _all_to_all_rows(layout.recv, layout.send, group)
+    _all_to_all_rows(layout, group)
 
 
-#: On gloo with CPU tensors the FP8 exchanges go as point-to-point messages of at most this many bytes
-#: (gloo's send/recv take host memory only; CUDA tensors keep gloo's collectives, which stage them
-#: through the host themselves). Measured over
+#: On gloo the FP8 exchanges go as point-to-point messages of at most this many bytes (gloo's
+#: send/recv take host memory only: CUDA buckets are staged through pinned host mirrors of the
+#: layout's packed buffers, as gloo's own CUDA collectives stage them). Measured over
 #: a 0.2 Gbit/s shaped link between two ranks: one all-to-all of 2 x 2.2 MB took 88 ms in some runs and
 #: 171-176 ms (twice its transfer) in others, an all-gather of 2.2 MB 87-148 ms; sent as 16 pieces the
 #: same bytes took 90.5-94 ms every time. gloo's own ring all-reduce sends pieces too.
@@ -107,8 +107,9 @@ def _exchange_rows(recv: torch.Tensor, send_row, group) -> None:
 
 
 def _in_pieces(t: torch.Tensor, group) -> bool:
-    """Whether an exchange of ``t`` goes as point-to-point pieces: CPU tensors on gloo."""
-    return t.device.type == "cpu" and dist.get_backend(group) == "gloo"
+    """Whether an exchange of ``t`` goes as point-to-point pieces: any tensor on gloo (CUDA ones
+    staged through pinned host memory, see :func:`_all_to_all_rows`)."""
+    return dist.get_backend(group) == "gloo"
 
 
 def _global_rank(group, group_rank: int) -> int:
@@ -117,21 +118,37 @@ def _global_rank(group, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
-def _all_to_all_rows(recv: torch.Tensor, send: torch.Tensor, group) -> None:
-    """``recv[r]`` = rank r's ``send`` row for this rank: one ``all_to_all_single``, or for CPU
-    tensors on gloo :func:`_exchange_rows` (pieces). Returns when the exchange is complete."""
-    if _in_pieces(recv, group):
-        _exchange_rows(recv, lambda dst: send[dst], group)
-    else:
+def _all_to_all_rows(layout: BucketLayout, group) -> None:
+    """``layout.recv[r]`` = rank r's ``send`` row for this rank: one ``all_to_all_single``, or on
+    gloo :func:`_exchange_rows` (pieces). CUDA buffers go through the layout's pinned host mirrors:
+    a blocking copy out (after the stream's pending work, the encode), the pieces, a copy back.
+    Returns when the exchange is complete."""
+    recv, send = layout.recv, layout.send
+    if not _in_pieces(recv, group):
         dist.all_to_all_single(recv, send, group=group, async_op=True).wait()
+    elif recv.is_cuda:
+        hs, hr = layout.host_mirror("send"), layout.host_mirror("recv")
+        hs.copy_(send)
+        _exchange_rows(hr, lambda dst: hs[dst], group)
+        recv.copy_(hr)
+    else:
+        _exchange_rows(recv, lambda dst: send[dst], group)
 
 
-def _all_gather_rows(out: torch.Tensor, inp: torch.Tensor, group):
-    """``out[r]`` = rank r's ``inp`` (uint8): an async all-gather (returns its work), or for CPU tensors
-    on gloo :func:`_exchange_rows` (pieces; complete on return, returns a completed work)."""
+def _all_gather_rows(layout: BucketLayout, group):
+    """``layout.gather_out[r]`` = rank r's ``gather_in`` (uint8): an async all-gather (returns its
+    work), or on gloo :func:`_exchange_rows` (pieces, staged through pinned host memory for CUDA
+    buffers; complete on return, returns a completed work)."""
+    out, inp = layout.gather_out, layout.gather_in
     if not _in_pieces(out, group):
         return all_gather_into(out.view(-1), inp, group=group, async_op=True)
-    _exchange_rows(out, lambda dst: inp, group)
+    if out.is_cuda:
+        hi, ho = layout.host_mirror("gather_in"), layout.host_mirror("gather_out")
+        hi.copy_(inp)
+        _exchange_rows(ho, lambda dst: hi, group)
+        out.copy_(ho)
+    else:
+        _exchange_rows(out, lambda dst: inp, group)
     fut = torch.futures.Future()
     fut.set_result([out])
     return torch._C._distributed_c10d._create_work_from_future(fut)
@@ -151,7 +168,7 @@ def two_shot(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, sta
     L, W, C = layout, layout.world_size, layout.chunk_numel
     _scatter_reduce(flat, L, codec, group, residual, generator)
     codec.reduce_shard(L, residual, generator)
-    work = _all_gather_rows(L.gather_out, L.gather_in, group)
+    work = _all_gather_rows(L, group)
     if stats is not None:
         stats.add("bytes_sent", two_shot_bytes(L.chunk_bytes, W))
 
@@ -219,32 +236,14 @@ def encode_shared_scales(flat: torch.Tensor, layout: BucketLayout, codec, group=
     added first and replaced by this rank's quantization error. ``scatter``: the sum will be a
     reduce-scatter (its output shard is allocated too). Returns the shared scale_inv
     ([W, groups_per_chunk] fp32, pre-scale included)."""
-    L, W, C = layout, layout.world_size, layout.chunk_numel
+    L, W = layout, layout.world_size
     ps = auto_pre_scale_step(L) if pre_scale is None else float(pre_scale)
-    x = L.gather_from(flat)
-    if residual is not None:
-        x.add_(residual)
-    codec.group_amax(x, L.groups, L.work, L.block_amax, L.group_amax)
+    codec.shared_amax(flat, L, residual)
     dist.all_reduce(L.group_amax, op=dist.ReduceOp.MAX, group=group, async_op=True).wait()
     L.ensure_fp8_sum(scatter)
     sinv = L.fp8_scale_inv.view(W, -1)
-    codec.quantize_with_amax(x, L.groups, L.group_amax, L.fp8_wire, sinv, pre_scale=ps, work=L.work,
-                             group_scale=L.group_scale, block_scale=L.block_scale, generator=generator)
-    if residual is not None:
-        codec.dequantize(L.fp8_wire, sinv, L.groups, L.work, L.block_scale)
-        keep_finite_(residual, torch.sub(x, L.work, out=L.work))
+    codec.encode_shared(flat, L, sinv, pre_scale=ps, residual=residual, generator=generator)
     return sinv
-
-
-def count_saturated(wire: torch.Tensor, dequantized: torch.Tensor, fmt, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """How many values of an FP8 sum (``wire``, uint8 bytes of ``fmt``) sit at +-fmax, counting only
-    scale groups with a finite scale (where ``dequantized``, the same values times scale_inv, is not
-    NaN): a group that held an Inf or NaN is reported as non-finite, not as saturation, so it does
-    not halve the automatic pre_scale. Returns a device int64 scalar (``out`` when given; no
-    synchronisation)."""
-    q = wire.reshape(-1).view(fmt.dtype).float()
-    mask = (q.abs() >= fmt.fmax) & ~torch.isnan(dequantized[:q.numel()])
-    return mask.sum() if out is None else torch.sum(mask.reshape(-1), dim=0, out=out)
 
 
 def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre_scale: Optional[float] = None,
@@ -263,14 +262,13 @@ def nccl_fp8(flat: torch.Tensor, layout: BucketLayout, codec, group=None, *, pre
         stats.add("bytes_sent", fp8_sum_bytes(L.padded_numel, L.groups.num_groups, W))
 
     def finish() -> torch.Tensor:
-        codec.dequantize(L.fp8_wire, sinv, L.groups, L.work, L.block_scale)
-        sat = count_saturated(L.fp8_wire, L.work, fmt, out=L.saturation_buffer())
+        sat = L.saturation_buffer()
+        codec.decode_mean(L, sinv, flat, sat)
         _publish_saturation(L)
         if stats is not None:
             stats.add_device("saturated_values", sat)
-        L.work.div_(W)
         _track_nonfinite(stats, sinv)
-        return L.scatter_to(L.work, flat)
+        return flat
 
     return _finish(work, finish, async_op)
 

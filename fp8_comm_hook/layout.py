@@ -81,6 +81,8 @@ class BucketLayout:
         # the automatic pre_scale of an FP8 sum: this step's factor, the last sum's saturation count
         # (on the device) and its copy on the host with the event that says the copy is complete
         "auto_pre_scale", "saturated_last", "saturated_host", "saturated_ready",
+        # pinned host copies of the packed buffers, for CUDA buckets exchanged over gloo in pieces
+        "host_mirrors",
         "__weakref__",
     )
 
@@ -170,6 +172,7 @@ class BucketLayout:
         self.saturated_last: Optional[torch.Tensor] = None
         self.saturated_host: Optional[torch.Tensor] = None
         self.saturated_ready = None
+        self.host_mirrors: Dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ views
     @staticmethod
@@ -197,6 +200,16 @@ class BucketLayout:
             self.fp8_scale_inv = torch.empty(self.groups.num_groups, dtype=torch.float32, device=self.device)
         if scatter and self.fp8_out is None:
             self.fp8_out = torch.empty(self.chunk_numel, dtype=torch.uint8, device=self.device)
+
+    def host_mirror(self, name: str) -> torch.Tensor:
+        """A pinned host tensor shaped like the packed buffer ``name`` ("send", "recv", "gather_in"
+        or "gather_out"), allocated on first use: where a CUDA bucket's bytes are staged for gloo's
+        point-to-point pieces (gloo sends and receives host memory only)."""
+        h = self.host_mirrors.get(name)
+        if h is None:
+            t = getattr(self, name)
+            h = self.host_mirrors[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return h
 
     # ------------------------------------------------------------------ the automatic pre_scale's state
     def set_auto_pre_scale(self, pre_scale: float) -> float:

@@ -163,3 +163,56 @@ def test_ddp_cuda_graphs_match_eager(nccl_world1, monkeypatch, variant):
             torch.testing.assert_close(ta, tb, rtol=0, atol=0, equal_nan=True, msg=f"step {step}")
     assert s1 == s0
     assert s1["steps"] == steps and s1["nonfinite_buckets"] >= 1 and s1["compressed_buckets"] >= steps
+
+
+@needs_sm90
+@pytest.mark.parametrize("scaling", ["block", "tensor", "bucket"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout_world", [1, 3])
+def test_nccl_fp8_triton_fused_matches_torch_codec(nccl_world1, scaling, dtype, layout_world):
+    """nccl_fp8 with the Triton codec's fused stages (amax and quantize read the unpadded bucket,
+    the mean, the division by W and the saturation count in one pass writing it back) gives the torch
+    codec's bytes: the same wire, mean, residual and saturation count, for pre_scales that saturate
+    and not, with and without error feedback, a bucket with padding between parameters and an Inf.
+    ``layout_world`` 3: the layout of a 3-rank group (the sum itself runs on the 1-rank group, where
+    it leaves the wire as it is), so the division by W rounds as it does at W = 3."""
+    from fp8_comm_hook import collectives
+    from fp8_comm_hook.codec import TorchCodec
+    from fp8_comm_hook.codec.triton_codec import TritonCodec
+    from fp8_comm_hook.formats import get_format
+    from fp8_comm_hook.layout import BucketLayout
+
+    numels, offsets = [50_000, 3, 70_001, 517], [0, 50_000, 50_003, 120_004]
+    n = sum(numels)
+    fmt = get_format("e4m3")
+    saw_saturation = False
+    for case, (pre_scale, ef, inf) in enumerate([(1.0, False, False), (8.0, False, False), (0.5, True, False),
+                                                 (16.0, True, False), (1.0, True, True)]):
+        x = (data("outliers", n, seed=case) * 3).to(device="cuda", dtype=dtype)
+        if inf:
+            x[60_000] = float("inf")
+        out = {}
+        for name, codec in (("torch", TorchCodec(fmt)), ("triton", TritonCodec(fmt))):
+            L = BucketLayout(numels, offsets, ["a", "b", "c", "d"], layout_world, 0, 128, scaling, n, dtype, "cuda")
+            res = L.ensure_residual() if ef else None
+            if res is not None:
+                res.copy_(data("gauss", L.padded_numel, seed=100 + case).cuda() * 1e-2)
+            flat = x.clone()
+            collectives.nccl_fp8(flat, L, codec, pre_scale=pre_scale, residual=res)
+            torch.cuda.synchronize()
+            out[name] = (flat, L.fp8_wire.clone(), L.fp8_scale_inv.clone(), int(L.saturated_last),
+                         None if res is None else res.clone())
+        (ft, wt, st, nt, rt), (fr, wr, sr, nr, rr) = out["torch"], out["triton"]
+        torch.testing.assert_close(fr, ft, rtol=0, atol=0, equal_nan=True, msg=f"mean, case {case}")
+        torch.testing.assert_close(sr, st, rtol=0, atol=0, equal_nan=True, msg=f"scale_inv, case {case}")
+        finite = torch.isfinite(st).repeat_interleave(wt.numel() // st.numel()) if scaling == "block" else None
+        if finite is not None:
+            assert torch.equal(wr.view(-1)[finite], wt.view(-1)[finite]), f"wire, case {case}"
+        elif not inf:
+            assert torch.equal(wr, wt), f"wire, case {case}"
+        assert nr == nt, (case, nr, nt)
+        saw_saturation |= nt > 0
+        if ef:
+            torch.testing.assert_close(rr, rt, rtol=0, atol=0, msg=f"residual, case {case}")
+            assert torch.isfinite(rr).all()
+    assert saw_saturation, "no case saturated: the count was not exercised"

@@ -15,7 +15,7 @@ import torch
 from ..formats import FLOAT32_MAX, FP8Format
 from ..geometry import ScaleGroups
 
-__all__ = ["Codec", "compute_scales", "keep_finite_"]
+__all__ = ["Codec", "compute_scales", "keep_finite_", "count_saturated"]
 
 
 def compute_scales(amax: torch.Tensor, fmax: float, pre_scale: float, scale_out: torch.Tensor,
@@ -39,6 +39,17 @@ def keep_finite_(residual: torch.Tensor, updated: torch.Tensor) -> torch.Tensor:
     applied (GradScaler skips the step), and the residual stays finite for the next step. Returns
     ``residual``."""
     return torch.where(torch.isfinite(updated), updated, residual, out=residual)
+
+
+def count_saturated(wire: torch.Tensor, dequantized: torch.Tensor, fmt, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """How many values of an FP8 sum (``wire``, uint8 bytes of ``fmt``) sit at +-fmax, counting only
+    scale groups with a finite scale (where ``dequantized``, the same values times scale_inv, is not
+    NaN): a group that held an Inf or NaN is reported as non-finite, not as saturation, so it does
+    not halve the automatic pre_scale. Returns a device int64 scalar (``out`` when given; no
+    synchronisation)."""
+    q = wire.reshape(-1).view(fmt.dtype).float()
+    mask = (q.abs() >= fmt.fmax) & ~torch.isnan(dequantized[:q.numel()])
+    return mask.sum() if out is None else torch.sum(mask.reshape(-1), dim=0, out=out)
 
 
 class Codec(abc.ABC):
@@ -126,6 +137,43 @@ class Codec(abc.ABC):
         returns ``flat``."""
         L, C = layout, layout.chunk_numel
         self.dequantize(L.payload(L.gather_out, C), L.scales(L.gather_out, C), L.groups, L.work, L.block_scale)
+        return L.scatter_to(L.work, flat)
+
+    # ------------------------------------------------------------------ an FP8 sum's stages (nccl_fp8)
+    # The defaults compose the primitives through the layout's fp32 staging and work buffers; the
+    # Triton codec fuses them for block scaling (reading and writing the unpadded bucket directly).
+    def shared_amax(self, flat: torch.Tensor, layout, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Write the amax of every scale group of ``flat`` (plus ``residual``) into
+        ``layout.group_amax`` (NaN reported as +Inf); returns it. The sum's first stage: the caller
+        MAX-all-reduces the result, then calls :meth:`encode_shared` with the same ``residual``."""
+        L = layout
+        x = L.gather_from(flat)
+        if residual is not None:
+            x.add_(residual)
+        return self.group_amax(x, L.groups, L.work, L.block_amax, L.group_amax)
+
+    def encode_shared(self, flat: torch.Tensor, layout, scale_inv: torch.Tensor, *, pre_scale: float,
+                      residual: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None) -> None:
+        """Quantize ``flat`` (plus ``residual``) into ``layout.fp8_wire`` with scales from the shared
+        ``layout.group_amax`` times ``pre_scale``, scale_inv into ``scale_inv`` ([W, groups per chunk]);
+        with ``residual``, store this rank's new quantization error in it (where finite). Must follow
+        :meth:`shared_amax` (the defaults reuse the staging buffer it filled)."""
+        L = layout
+        x = L.staging
+        self.quantize_with_amax(x, L.groups, L.group_amax, L.fp8_wire, scale_inv, pre_scale=pre_scale, work=L.work,
+                                group_scale=L.group_scale, block_scale=L.block_scale, generator=generator)
+        if residual is not None:
+            self.dequantize(L.fp8_wire, scale_inv, L.groups, L.work, L.block_scale)
+            keep_finite_(residual, torch.sub(x, L.work, out=L.work))
+
+    def decode_mean(self, layout, scale_inv: torch.Tensor, flat: torch.Tensor, saturated: torch.Tensor) -> torch.Tensor:
+        """The sum's last stage: ``flat`` = the summed ``layout.fp8_wire`` times ``scale_inv``, divided
+        by W (in fp32, then in ``flat``'s dtype); ``saturated`` (device int64 scalar) = the count of
+        :func:`count_saturated`. Returns ``flat``."""
+        L = layout
+        self.dequantize(L.fp8_wire, scale_inv, L.groups, L.work, L.block_scale)
+        count_saturated(L.fp8_wire, L.work, self.fmt, out=saturated)
+        L.work.div_(L.world_size)
         return L.scatter_to(L.work, flat)
 
     @abc.abstractmethod

@@ -418,6 +418,82 @@ class TritonCodec(Codec):
                      NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=_SRC_DENSE, AMAX_MODE=_AMAX_EPOCH_GROUP,
                      RES_MODE=res_mode, DIV_MODE=_DIV_NONE, num_warps=_warps(nbq, bs), **common)
 
+    # ------------------------------------------------------------------ an FP8 sum's fused stages (nccl_fp8)
+    def _flat_source(self, flat: torch.Tensor, P: _Plan):
+        if not flat.is_contiguous():
+            raise ValueError("an FP8 sum needs a contiguous flat bucket")
+        return (_SRC_CONTIG, P.contig) if P.contig is not None else (_SRC_SEGMENTS, 1)
+
+    def shared_amax(self, flat: torch.Tensor, layout, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Group amax of the unpadded bucket ``flat`` (plus ``residual``) into ``layout.group_amax``,
+        read through the segment table (no staging copy): one launch for block scaling, two for
+        tensor/bucket scaling."""
+        L, P = layout, self._plan(layout)
+        source, nsrc = self._flat_source(flat, P)
+        bs, G, ng = L.block_size, L.groups.groups_per_row, L.groups.num_groups
+        res = residual if residual is not None else L.group_amax
+        nba = _blocks_per_program(bs, _AMAX_TILE, _AMAX_MAX_BLOCKS)
+        grouped = L.groups.block_group is not None
+        epoch = P.next_epoch("enc") if grouped else 0
+        self._launch(_amax_kernel, (triton.cdiv(P.nblocks, nba),), flat.device,
+                     flat, P.src, P.valid, flat, 0, flat, 0, P.grp if grouped else P.valid, nsrc, 1.0, 1.0,
+                     res, res, L.group_amax, P.grp if grouped else P.valid, P.gam_enc if grouped else L.group_amax,
+                     epoch, P.nblocks, L.blocks_per_chunk, G,
+                     FP8=self._fp8, BS=bs, NB=nba, SOURCE=source, SRC_GROUPED=False, DIV_MODE=_DIV_NONE,
+                     HAS_RES=residual is not None, STORE_X=False, STORE_BAMAX=not grouped, ATOMIC=grouped,
+                     IDX64=P.idx64, num_warps=_warps(nba, bs), LW=min(bs, 32))
+        if grouped:
+            self._launch(_amax_finish_kernel, (triton.cdiv(ng, _GROUPS_PER_PROGRAM),), flat.device,
+                         P.gam_enc, L.group_amax, epoch, ng, GB=_GROUPS_PER_PROGRAM)
+        return L.group_amax
+
+    def encode_shared(self, flat: torch.Tensor, layout, scale_inv: torch.Tensor, *, pre_scale: float,
+                      residual: Optional[torch.Tensor] = None, generator: Optional[torch.Generator] = None) -> None:
+        """Quantize the unpadded bucket ``flat`` (plus ``residual``, updated in the same pass) with the
+        shared ``layout.group_amax`` times ``pre_scale`` into ``layout.fp8_wire``: one launch."""
+        L, P = layout, self._plan(layout)
+        source, nsrc = self._flat_source(flat, P)
+        bs, C, bpc = L.block_size, L.chunk_numel, L.blocks_per_chunk
+        G, ng = L.groups.groups_per_row, L.groups.num_groups
+        grouped = L.groups.block_group is not None
+        res_mode = _RES_NONE if residual is None else _RES_ENCODE
+        res = residual if residual is not None else P.valid
+        sc, sc_stride = self._rows_view(scale_inv, G)
+        nbq = _blocks_per_program(bs, _QUANT_TILE)
+        nprog = triton.cdiv(P.nblocks, nbq)
+        if grouped:
+            nprog = max(nprog, triton.cdiv(ng, _GROUPS_PER_PROGRAM))
+        self._launch(_quant_kernel, (nprog,), flat.device,
+                     flat, P.src, P.valid, flat, 0, flat, 0, nsrc, 1.0, 1.0, P.grp if grouped else P.valid,
+                     L.group_amax, 0, res, 1.0, L.fp8_wire, C, sc, sc_stride,
+                     P.nblocks, bpc, G, ng, float(pre_scale), self._seed(generator, 0),
+                     BS=bs, NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=source,
+                     AMAX_MODE=_AMAX_F32_GROUP if grouped else _AMAX_F32_BLOCK, RES_MODE=res_mode,
+                     SR=self.stochastic_rounding, DIV_MODE=_DIV_NONE, IDX64=P.idx64, num_warps=_warps(nbq, bs),
+                     **_tile_args(bs, bpc, nbq, (C,), unaligned=P.contig is None), **self._consts())
+
+    def decode_mean(self, layout, scale_inv: torch.Tensor, flat: torch.Tensor, saturated: torch.Tensor) -> torch.Tensor:
+        """The summed ``layout.fp8_wire`` times ``scale_inv``, divided by W as the reference divides,
+        straight into the bucket ``flat`` in its dtype, counting the saturated values of finite
+        groups into ``saturated`` (zeroed first): one memset and one launch."""
+        L, P = layout, self._plan(layout)
+        if not flat.is_contiguous():
+            raise ValueError("decode_mean needs a contiguous flat bucket")
+        W, bs, C = L.world_size, L.block_size, L.chunk_numel
+        G = L.groups.groups_per_row
+        grouped = L.groups.block_group is not None
+        sc, sc_stride = self._rows_view(scale_inv, G)
+        saturated.zero_()
+        nb = _blocks_per_program(bs, _QUANT_TILE)
+        self._launch(_dequant_kernel, (triton.cdiv(P.nblocks, nb),), flat.device,
+                     L.fp8_wire, C, sc, sc_stride, P.grp if grouped else P.valid, G, flat, P.src, P.valid,
+                     P.nblocks, L.blocks_per_chunk, P.contig or 0, saturated, 1.0 / W, float(W),
+                     FP8=self._fp8, BS=bs, NB=nb, GROUPED=grouped, SEGMENTED=True, IDX64=P.idx64,
+                     CONTIG=P.contig is not None, DIV_MODE=_torch_div_mode(flat.device.type), COUNT_SAT=True,
+                     FMAX=float(self.fmt.fmax), num_warps=_warps(nb, bs),
+                     **_tile_args(bs, L.blocks_per_chunk, nb, (C,), unaligned=P.contig is None))
+        return flat
+
     def decode(self, layout, flat: torch.Tensor) -> torch.Tensor:
         """Dequantize ``gather_out`` straight into the bucket ``flat`` in its dtype (one launch)."""
         L, P = layout, self._plan(layout)

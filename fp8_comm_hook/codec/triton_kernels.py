@@ -321,12 +321,17 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
 
 @triton.jit(do_not_specialize=["G", "nblocks", "bpc", "pay_stride", "sc_stride"])
 def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr, src_ptr, valid_ptr,
-                    nblocks, bpc, nvalid,
-                    FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, GROUPED: tl.constexpr,
-                    SEGMENTED: tl.constexpr, IDX64: tl.constexpr, CONTIG: tl.constexpr = False,
-                    LW: tl.constexpr = 32, PAY_AL: tl.constexpr = 1, ONE_WRAP: tl.constexpr = False):
+                    nblocks, bpc, nvalid, sat_ptr=None, inv_w=1.0, w_f=1.0,
+                    FP8: tl.constexpr = None, BS: tl.constexpr = 128, NB: tl.constexpr = 1,
+                    GROUPED: tl.constexpr = False, SEGMENTED: tl.constexpr = False, IDX64: tl.constexpr = False,
+                    CONTIG: tl.constexpr = False, LW: tl.constexpr = 32, PAY_AL: tl.constexpr = 1,
+                    ONE_WRAP: tl.constexpr = False, DIV_MODE: tl.constexpr = 0, COUNT_SAT: tl.constexpr = False,
+                    FMAX: tl.constexpr = 0.0):
     """``q * scale_inv`` per block of packed rows, into a dense fp32 buffer or (SEGMENTED) straight
-    into the unpadded bucket in its dtype, skipping padding."""
+    into the unpadded bucket in its dtype, skipping padding. An FP8 sum's last stage adds: DIV_MODE
+    1/2, the mean as the reference takes it (times ``inv_w`` / IEEE division by ``w_f``, after the
+    dequantization); COUNT_SAT, the values at +-FMAX whose dequantized value is not NaN added to the
+    int64 ``sat_ptr[0]`` (one atomic per program)."""
     pid = tl.program_id(0)
     if PAY_AL > 1:  # (s // a) * a: the compiler then knows the stride is a multiple of a
         pay_stride = (pay_stride // PAY_AL) * PAY_AL
@@ -337,7 +342,16 @@ def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr,
         gl = lb
     q = tl.load(pay_ptr + row * pay_stride + lb * BS + cols, mask=bmask, other=0)
     si = tl.load(sc_ptr + row * sc_stride + gl, mask=bmask, other=0.0)
-    v = q.to(FP8, bitcast=True).to(tl.float32) * si
+    qf = q.to(FP8, bitcast=True).to(tl.float32)
+    v = qf * si
+    if COUNT_SAT:
+        sat = (tl.abs(qf) >= FMAX) & (v == v) & bmask
+        n = tl.sum(tl.sum(tl.sum(sat.to(tl.int32), axis=2), axis=1), axis=0)
+        tl.atomic_add(sat_ptr, n.to(tl.int64), sem="relaxed")
+    if DIV_MODE == 1:
+        v = v * inv_w
+    elif DIV_MODE == 2:
+        v = tl.math.div_rn(v, tl.full(v.shape, 1.0, tl.float32) * w_f)
     if CONTIG:  # one run from offset 0: plain stores of the first nvalid elements
         eo = b * BS + cols
         tl.store(out_ptr + eo, v.to(out_ptr.dtype.element_ty), mask=bmask & (eo < nvalid))
