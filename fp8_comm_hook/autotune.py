@@ -1,7 +1,8 @@
-"""``algorithm="auto"``: per bucket, FP8 ``two_shot`` or the plain all-reduce in the bucket's dtype,
-whichever a measured cost model predicts faster.
+"""``algorithm="auto"``: per bucket, FP8 ``two_shot``, torch's bf16 recipe (for buckets wider than bf16,
+where the group can sum bf16) or the plain all-reduce in the bucket's dtype, whichever a measured cost
+model predicts fastest.
 
-The model (pure functions of four figures, :class:`Figures`):
+The model (pure functions of five figures, :class:`Figures`):
 
 - a plain all-reduce of ``B`` bytes takes ``latency_s + s_per_byte * B`` (both fitted from timed
   fp32 all-reduces of two sizes on the group, so ``s_per_byte`` already holds the ring's
@@ -9,9 +10,11 @@ The model (pure functions of four figures, :class:`Figures`):
 - FP8 ``two_shot`` of ``n`` elements is two collectives moving, together, as many bytes per rank as
   a ring all-reduce of the packed FP8 bucket (payload plus scales, :func:`fp8_bytes_per_elem`) plus
   the codec's encode, owner reduce and decode on this device:
-  ``2 * latency_s + s_per_byte * n * fp8_bytes_per_elem + codec_fixed_s + codec_s_per_elem * n``.
+  ``2 * latency_s + s_per_byte * n * fp8_bytes_per_elem + codec_fixed_s + codec_s_per_elem * n``;
+- the bf16 recipe (cast to bf16, divide, all-reduce, cast back) of ``n`` elements:
+  ``latency_s + s_per_byte * n * 2 + cast_s_per_elem * n``.
 
-A bucket goes FP8 when that prediction is smaller (:func:`choose`). Every rank measures its own
+The fastest prediction wins; a tie goes to the plain all-reduce, then bf16 (:func:`choose`). Every rank measures its own
 figures, then one MAX all-reduce gives every rank the same (slowest rank's) figures, so every rank
 makes the same choice for every bucket (ranks that chose differently would hang). ``warmup_steps``
 and ``min_compress_numel`` still come first (:meth:`fp8_comm_hook.state.FP8CommState.mode_for`).
@@ -32,7 +35,7 @@ from . import collectives
 from .layout import BucketLayout
 
 __all__ = ["Figures", "AutoPlan", "fit_line", "combine", "fp8_bytes_per_elem", "predict_plain_s",
-           "predict_two_shot_s", "choose", "break_even_numel", "measure", "tune"]
+           "predict_two_shot_s", "predict_cast_s", "choose", "break_even_numel", "measure", "tune"]
 
 log = logging.getLogger("fp8_comm_hook")
 
@@ -45,12 +48,14 @@ REPEATS = 5
 @dataclasses.dataclass(frozen=True)
 class Figures:
     """What the cost model needs, in seconds: a collective's fixed cost and an all-reduce's cost per
-    byte of the tensor, the codec's fixed cost per bucket and its cost per element."""
+    byte of the tensor, the codec's fixed cost per bucket and its cost per element, and the bf16
+    recipe's cost per element (both casts and the division; 0 where not measured)."""
 
     latency_s: float
     s_per_byte: float
     codec_fixed_s: float
     codec_s_per_elem: float
+    cast_s_per_elem: float = 0.0
 
     def as_list(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -97,10 +102,24 @@ def predict_two_shot_s(f: Figures, numel: int, fp8_bpe: float) -> float:
     return 2 * f.latency_s + f.s_per_byte * numel * fp8_bpe + f.codec_fixed_s + f.codec_s_per_elem * numel
 
 
-def choose(f: Figures, numel: int, element_size: int, fp8_bpe: float) -> str:
-    """``"two_shot"`` when the model predicts it strictly faster than the plain all-reduce, else
-    ``"none"``. A pure function of its arguments: ranks with the same figures choose alike."""
-    return "two_shot" if predict_two_shot_s(f, numel, fp8_bpe) < predict_plain_s(f, numel, element_size) else "none"
+def predict_cast_s(f: Figures, numel: int) -> float:
+    """Predicted time of the bf16 recipe on ``numel`` elements (a bf16 all-reduce plus the casts)."""
+    return f.latency_s + f.s_per_byte * numel * 2 + f.cast_s_per_elem * numel
+
+
+def choose(f: Figures, numel: int, element_size: int, fp8_bpe: float, cast: bool = False) -> str:
+    """The mode the model predicts fastest: ``"two_shot"``, ``"bf16"`` (only with ``cast`` and
+    ``element_size`` > 2) or ``"none"``; a mode must be strictly faster than the plain all-reduce
+    (and FP8 strictly faster than bf16) to be chosen. A pure function of its arguments: ranks with
+    the same figures choose alike."""
+    best, t_best = "none", predict_plain_s(f, numel, element_size)
+    if cast and element_size > 2:
+        t = predict_cast_s(f, numel)
+        if t < t_best:
+            best, t_best = "bf16", t
+    if predict_two_shot_s(f, numel, fp8_bpe) < t_best:
+        best = "two_shot"
+    return best
 
 
 def break_even_numel(f: Figures, element_size: int, fp8_bpe: float) -> Optional[int]:
@@ -114,24 +133,27 @@ def break_even_numel(f: Figures, element_size: int, fp8_bpe: float) -> Optional[
 
 class AutoPlan:
     """The choice per bucket for ``algorithm="auto"``: call it with ``(numel, element_size)`` to get
-    ``"two_shot"`` or ``"none"``; the first time a bucket size is seen its choice and both
-    predictions are logged and kept (:meth:`report`)."""
+    ``"two_shot"``, ``"bf16"`` (only when built with ``cast=True``: the group sums bf16) or
+    ``"none"``; the first time a bucket size is seen its choice and the predictions are logged and
+    kept (:meth:`report`)."""
 
-    __slots__ = ("figures", "world_size", "fp8_bpe", "_decisions")
+    __slots__ = ("figures", "world_size", "fp8_bpe", "cast", "_decisions")
 
-    def __init__(self, figures: Figures, world_size: int, fp8_bpe: float):
-        self.figures, self.world_size, self.fp8_bpe = figures, world_size, fp8_bpe
-        self._decisions: Dict[Tuple[int, int], Tuple[str, float, float]] = {}
+    def __init__(self, figures: Figures, world_size: int, fp8_bpe: float, cast: bool = False):
+        self.figures, self.world_size, self.fp8_bpe, self.cast = figures, world_size, fp8_bpe, bool(cast)
+        self._decisions: Dict[Tuple[int, int], Tuple[str, float, float, Optional[float]]] = {}
 
     def __call__(self, numel: int, element_size: int) -> str:
         d = self._decisions.get((numel, element_size))
         if d is None:
             f = self.figures
-            d = (choose(f, numel, element_size, self.fp8_bpe), predict_two_shot_s(f, numel, self.fp8_bpe),
-                 predict_plain_s(f, numel, element_size))
+            tc = predict_cast_s(f, numel) if self.cast and element_size > 2 else None
+            d = (choose(f, numel, element_size, self.fp8_bpe, self.cast), predict_two_shot_s(f, numel, self.fp8_bpe),
+                 predict_plain_s(f, numel, element_size), tc)
             self._decisions[(numel, element_size)] = d
             log.info("fp8_comm_hook: auto: bucket of %d elements (%d-byte): %s (predicted two_shot %.3f ms, "
-                     "plain all-reduce %.3f ms)", numel, element_size, d[0], d[1] * 1e3, d[2] * 1e3)
+                     "plain all-reduce %.3f ms, bf16 %s)", numel, element_size, d[0], d[1] * 1e3, d[2] * 1e3,
+                     "-" if tc is None else f"{tc * 1e3:.3f} ms")
         return d[0]
 
     def report(self) -> dict:
@@ -141,9 +163,11 @@ class AutoPlan:
                 "fp8_bytes_per_elem": self.fp8_bpe,
                 "break_even_numel": {"fp32": break_even_numel(self.figures, 4, self.fp8_bpe),
                                      "bf16": break_even_numel(self.figures, 2, self.fp8_bpe)},
+                "bf16_allowed": self.cast,
                 "buckets": [{"numel": n, "element_size": e, "mode": m, "predicted_two_shot_ms": t8 * 1e3,
-                             "predicted_plain_ms": tp * 1e3}
-                            for (n, e), (m, t8, tp) in sorted(self._decisions.items())]}
+                             "predicted_plain_ms": tp * 1e3,
+                             "predicted_bf16_ms": None if tc is None else tc * 1e3}
+                            for (n, e), (m, t8, tp, tc) in sorted(self._decisions.items())]}
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -180,10 +204,30 @@ def time_codec(codec, config, numel: int, world_size: int, rank: int, device: to
     return min(times)
 
 
+def time_cast(numel: int, world_size: int, device: torch.device, repeats: int = REPEATS) -> float:
+    """Seconds (the fastest of ``repeats``) of the bf16 recipe's local work on ``numel`` fp32
+    elements: cast to bf16, divide by W, cast back into the bucket (the all-reduce left out)."""
+    flat = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def once():
+        flat.copy_(flat.to(torch.bfloat16).div_(world_size))
+
+    once()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        once()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def measure_local(state, device: torch.device, all_reduce_sizes: Sequence[int] = ALL_REDUCE_SIZES,
                   codec_sizes: Sequence[int] = CODEC_SIZES, repeats: int = REPEATS) -> Figures:
     """This rank's figures: fp32 all-reduces of two sizes on the state's group (a collective: every
-    rank of the group must call it at the same point) and the codec at two sizes on ``device``."""
+    rank of the group must call it at the same point), the codec and the bf16 recipe's casts at two
+    sizes on ``device``."""
     (n1, n2), (c1, c2) = sorted(all_reduce_sizes), sorted(codec_sizes)
     t1 = collectives.time_all_reduce(n1, state.group, device, repeats)
     t2 = collectives.time_all_reduce(n2, state.group, device, repeats)
@@ -192,7 +236,9 @@ def measure_local(state, device: torch.device, all_reduce_sizes: Sequence[int] =
     k1 = time_codec(codec, state.config, c1, state.world_size, state.rank, device, repeats)
     k2 = time_codec(codec, state.config, c2, state.world_size, state.rank, device, repeats)
     fixed, per_elem = fit_line(c1, k1, c2, k2)
-    return Figures(latency, per_byte, fixed, per_elem)
+    _, cast_per_elem = fit_line(c1, time_cast(c1, state.world_size, device, repeats),
+                                c2, time_cast(c2, state.world_size, device, repeats))
+    return Figures(latency, per_byte, fixed, per_elem, cast_per_elem)
 
 
 def measure(state, device: torch.device, **kw) -> Figures:
@@ -211,11 +257,14 @@ def tune(state, device: Optional[torch.device] = None, **kw) -> AutoPlan:
     device = torch.device(device if device is not None else "cpu")
     f = measure(state, device, **kw)
     cfg = state.config
-    plan = AutoPlan(f, state.world_size, fp8_bytes_per_elem(cfg.scaling, cfg.block_size))
+    cast = collectives.bf16_all_reduce_works(state.group, device)   # same answer on every rank
+    plan = AutoPlan(f, state.world_size, fp8_bytes_per_elem(cfg.scaling, cfg.block_size), cast)
     state.set_auto_plan(plan)
     be = plan.report()["break_even_numel"]
     log.info("fp8_comm_hook: auto: collective latency %.1f us, all-reduce %.3f GB/s of tensor, codec %.1f us + "
-             "%.2f ns/element (max over %d ranks); two_shot pays from %s elements (fp32 buckets), %s (bf16)",
+             "%.2f ns/element, bf16 casts %.2f ns/element%s (max over %d ranks); two_shot beats the plain "
+             "all-reduce from %s elements (fp32 buckets), %s (bf16)",
              f.latency_s * 1e6, 1e-9 / f.s_per_byte if f.s_per_byte > 0 else float("inf"), f.codec_fixed_s * 1e6,
-             f.codec_s_per_elem * 1e9, state.world_size, be["fp32"] or "never", be["bf16"] or "never")
+             f.codec_s_per_elem * 1e9, f.cast_s_per_elem * 1e9, "" if cast else " (the group cannot sum bf16: not used)",
+             state.world_size, be["fp32"] or "never", be["bf16"] or "never")
     return plan

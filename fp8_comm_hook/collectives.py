@@ -291,20 +291,25 @@ def plain_all_reduce(flat: torch.Tensor, group=None, *, stats: Optional[CommStat
 
 
 def cast_all_reduce(flat: torch.Tensor, group=None, *, wire_dtype: torch.dtype = torch.bfloat16,
-                    sum_in_wire_dtype: bool = True, async_op: bool = False):
+                    sum_in_wire_dtype: bool = True, stats: Optional[CommStats] = None, async_op: bool = False):
     """The cast baseline (torch's ``_compress_hook`` recipe): cast ``flat`` to ``wire_dtype``, divide
     by W, SUM all-reduce, cast back into ``flat``. With ``sum_in_wire_dtype=False`` (for backends
     that cannot sum ``wire_dtype``) the cast values are summed in ``flat``'s dtype and the mean is
     rounded to ``wire_dtype`` again: the wire dtype's numerics with ``flat``'s bytes on the wire.
+    ``stats``: the bytes sent and a non-finite mean are counted (``algorithm="auto"``'s bf16 buckets).
     Returns as the other algorithms do (``(work, finish)`` when ``async_op``)."""
     W = dist.get_world_size(group)
     sent = flat.to(wire_dtype).div_(W)
     if not sum_in_wire_dtype:
         sent = sent.to(flat.dtype)
     work = dist.all_reduce(sent, group=group, async_op=True)
+    if stats is not None:
+        stats.add("bytes_sent", ring_allreduce_bytes(sent.numel() * sent.element_size(), W))
 
     def finish() -> torch.Tensor:
         flat.copy_(sent if sum_in_wire_dtype else sent.to(wire_dtype))
+        if stats is not None:
+            stats.add_device("nonfinite_buckets", _nonfinite(flat))
         return flat
 
     return _finish(work, finish, async_op)

@@ -31,6 +31,8 @@ def _dispatch(state: FP8CommState, plan, flat: torch.Tensor, async_op: bool, gro
     rec = state.stats_recorder
     if plan.mode == "none":
         return collectives.plain_all_reduce(flat, group, stats=rec, async_op=async_op)
+    if plan.mode == "bf16":
+        return collectives.cast_all_reduce(flat, group, stats=rec, async_op=async_op)
     if plan.mode == "nccl_fp8":
         return collectives.nccl_fp8(flat, plan.layout, plan.codec, group, pre_scale=state.config.pre_scale,
                                     stats=rec, residual=plan.residual, generator=plan.generator, async_op=async_op)
@@ -60,7 +62,8 @@ def reduce_bucket(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec) -> 
     Future's callback finishes the bucket."""
     plan = state.prepare(flat, spec)
     group, rec = state.group, state.stats_recorder
-    if plan.mode != "none" and _graphable(state, plan, flat):
+    fp8 = plan.layout is not None
+    if fp8 and _graphable(state, plan, flat):
         L, codec, res, cfg = plan.layout, plan.codec, plan.residual, state.config
         W = L.world_size
         after_replay = None
@@ -86,7 +89,7 @@ def reduce_bucket(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec) -> 
                                          prepare_capture=lambda: rec.device_counters(flat.device),
                                          after_replay=after_replay)
     worker = state.worker
-    if plan.mode != "none" and worker is not None and not state.config.stochastic_rounding:
+    if fp8 and worker is not None and not state.config.stochastic_rounding:
         side_group = worker[1]
         return worker[0].submit(lambda: _dispatch(state, plan, flat, async_op=False, group=side_group),
                                 flat.device)

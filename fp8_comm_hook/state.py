@@ -25,11 +25,13 @@ __all__ = ["FP8CommState", "BucketPlan"]
 
 log = logging.getLogger("fp8_comm_hook")
 STATE_VERSION = 1
+_BUCKET_COUNTER = {"none": "uncompressed_buckets", "bf16": "bf16_buckets"}   # every FP8 mode: compressed_buckets
 
 
 class BucketPlan(NamedTuple):
     """What one bucket needs for its step (:meth:`FP8CommState.prepare`): the wire ``mode``
-    ("none", "two_shot" or "nccl_fp8"); for the FP8 modes its ``layout``, ``codec``, error-feedback
+    ("none", "two_shot", "nccl_fp8", or "bf16" where ``algorithm="auto"`` chose torch's bf16 recipe
+    for an all-reduce); for the FP8 modes its ``layout``, ``codec``, error-feedback
     ``residual`` (None without error feedback) and stochastic-rounding ``generator`` (None for RNE)."""
 
     mode: str
@@ -216,10 +218,12 @@ class FP8CommState:
         "reduce_scatter", in ``flat``'s dtype), and for an FP8 mode the layout of ``spec`` (a pooled
         one bound to the buffers this algorithm uses), the codec, the residual and the generator."""
         mode = self.mode_for(flat.numel(), flat.element_size())
+        if mode == "bf16" and (collective != "all_reduce" or flat.element_size() <= 2):
+            mode = "none"   # the bf16 recipe is an all-reduce of a wider dtype
         self._stats.add("bytes_baseline", ring_bytes(collective, flat.numel() * flat.element_size(), self.world_size
                                                      if spec.world_size is None else spec.world_size))
-        self._stats.add("compressed_buckets" if mode != "none" else "uncompressed_buckets", 1)
-        if mode == "none":
+        self._stats.add(_BUCKET_COUNTER.get(mode, "compressed_buckets"), 1)
+        if mode == "none" or mode == "bf16":
             return BucketPlan(mode)
         layout = self.layout(spec, flat)
         if isinstance(layout, PooledLayout):
@@ -268,7 +272,8 @@ class FP8CommState:
 
     def set_auto_plan(self, plan) -> None:
         """Give ``algorithm="auto"`` its per-bucket choice: ``plan(numel, element_size)`` returns
-        "two_shot" or "none" and must return the same on every rank (see
+        "two_shot", "bf16" (all-reduces of buckets wider than 2 bytes; else taken as "none") or
+        "none" and must return the same on every rank (see
         :func:`fp8_comm_hook.autotune.tune`, which builds one from measured figures)."""
         self._auto = plan
 
@@ -313,8 +318,9 @@ class FP8CommState:
         return self._stats
 
     def stats(self) -> Dict[str, int]:
-        """Counters since registration: steps, bytes_sent, bytes_baseline, compressed_buckets,
-        uncompressed_buckets, nonfinite_buckets, saturated_values (reading device counters)."""
+        """Counters since registration: steps, bytes_sent, bytes_baseline, compressed_buckets (FP8),
+        uncompressed_buckets (plain), bf16_buckets (``algorithm="auto"`` chose the bf16 recipe),
+        nonfinite_buckets, saturated_values (reading device counters)."""
         return self._stats.as_dict()
 
     # ------------------------------------------------------------------ loss scaling

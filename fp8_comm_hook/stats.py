@@ -53,7 +53,7 @@ class CommStats:
     """Host counters plus device-side counters (non-finite buckets, saturated values) that are only
     read when :meth:`as_dict` is called, so the step path never synchronises the device."""
 
-    HOST_KEYS = ("steps", "bytes_sent", "bytes_baseline", "compressed_buckets", "uncompressed_buckets")
+    HOST_KEYS = ("steps", "bytes_sent", "bytes_baseline", "compressed_buckets", "uncompressed_buckets", "bf16_buckets")
     DEVICE_KEYS = ("nonfinite_buckets", "saturated_values")
 
     def __init__(self):

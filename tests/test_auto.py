@@ -57,6 +57,43 @@ def test_fast_link_never_compresses():
         assert choose(FAST_LINK, n, 4, BPE) == "none"
 
 
+# A LAN-like link where the bf16 casts (0.5 ns/element) cost less than the 2 bytes they save, and
+# the codec (4 ns/element) more than FP8's 3 bytes.
+LAN_LINK = Figures(latency_s=20e-6, s_per_byte=1e-9, codec_fixed_s=200e-6, codec_s_per_elem=4e-9, cast_s_per_elem=0.5e-9)
+
+
+def test_bf16_is_chosen_where_it_is_predicted_fastest():
+    n = 4_000_000
+    assert autotune.predict_cast_s(LAN_LINK, n) == pytest.approx(20e-6 + 1e-9 * 2 * n + 0.5e-9 * n)
+    assert choose(LAN_LINK, n, 4, BPE, cast=True) == "bf16"
+    assert choose(LAN_LINK, n, 4, BPE, cast=False) == "none"        # the group cannot sum bf16
+    assert choose(LAN_LINK, n, 2, BPE, cast=True) == "none"         # a bf16 bucket has nothing to cast
+    costly_casts = Figures(20e-6, 1e-9, 200e-6, 4e-9, cast_s_per_elem=3e-9)
+    assert choose(costly_casts, n, 4, BPE, cast=True) == "none"
+    slow = Figures(**{**SLOW_LINK.__dict__, "cast_s_per_elem": 0.5e-9})
+    assert choose(slow, n, 4, BPE, cast=True) == "two_shot"         # 8 ns/byte: FP8's 3 bytes win
+    assert choose(slow, 1000, 4, BPE, cast=True) == "bf16"          # too small for the codec's fixed cost
+    plan = AutoPlan(LAN_LINK, 2, BPE, cast=True)
+    assert plan(n, 4) == "bf16" and plan(n, 2) == "none"
+    rep = plan.report()
+    assert rep["bf16_allowed"] and {b["mode"] for b in rep["buckets"]} == {"bf16", "none"}
+    assert [b["predicted_bf16_ms"] is None for b in rep["buckets"]] == [True, False]  # sorted: (n, 2), (n, 4)
+
+
+def test_bf16_choice_becomes_plain_where_it_cannot_apply():
+    """A plan answering "bf16" for a bucket of bf16 gradients or a reduce-scatter gets the plain
+    collective (the bf16 recipe is an all-reduce of a wider dtype)."""
+    from fp8_comm_hook.layout import LayoutSpec
+    st = FP8CommState(FP8CommConfig(algorithm="auto", min_compress_numel=0))
+    st._world = (2, 0, "gloo")
+    st.set_auto_plan(lambda n, e: "bf16")
+    assert st.prepare(torch.zeros(4096, dtype=torch.bfloat16), LayoutSpec.single("a", 4096)).mode == "none"
+    assert st.prepare(torch.zeros(4096), LayoutSpec.shards("b", 4096, 2, 0), "reduce_scatter").mode == "none"
+    assert st.prepare(torch.zeros(4096), LayoutSpec.single("c", 4096)).mode == "bf16"
+    s = st.stats()
+    assert s["uncompressed_buckets"] == 2 and s["bf16_buckets"] == 1 and s["compressed_buckets"] == 0
+
+
 def test_predictions_are_the_documented_formulas():
     f, n = SLOW_LINK, 1_000_000
     assert autotune.predict_plain_s(f, n, 4) == pytest.approx(50e-6 + 8e-9 * 4e6)
@@ -151,6 +188,24 @@ def chk_forced_mixed_plan(rank, W):
     return dict(max_err=max(errs), stats=st.stats(), digest=digest([p.grad for p in d.parameters()]))
 
 
+def chk_forced_bf16_plan(rank, W):
+    """A plan that sends the large buckets with the bf16 recipe, the small ones plain: the mean within
+    bf16's error, every rank bit-identical, the bf16 buckets counted with half the bytes."""
+    from fp8_comm_hook import collectives
+    ref_model = mlp(depth=8, width=256)
+    d, st = _auto_ddp(copy.deepcopy(ref_model), bucket_cap_mb=0.1)
+    st.set_auto_plan(lambda n, e: "bf16" if n >= 20_000 else "none")
+    errs = []
+    for it in range(3):
+        x, y = batch(rank, it)
+        ref = local_grads(ref_model, x, y)
+        local_grads(d, x, y)
+        for name, p in d.module.named_parameters():
+            errs.append(rel_err(p.grad, exact_mean(ref[name])))
+    return dict(max_err=max(errs), stats=st.stats(), digest=digest([p.grad for p in d.parameters()]),
+                bf16_sums=collectives.bf16_all_reduce_works(None, torch.device("cpu")))
+
+
 def chk_measure_combines_different_figures(rank, W):
     """Each rank 'measures' different figures (rank-dependent, injected): measure() hands every rank
     the element-wise maximum."""
@@ -173,8 +228,8 @@ def chk_tune_on_request(rank, W):
                 figures=plan.figures)
 
 
-CHECKS = [chk_registration_measures_same_plan, chk_forced_mixed_plan, chk_measure_combines_different_figures,
-          chk_tune_on_request]
+CHECKS = [chk_registration_measures_same_plan, chk_forced_mixed_plan, chk_forced_bf16_plan,
+          chk_measure_combines_different_figures, chk_tune_on_request]
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
@@ -199,6 +254,18 @@ def test_forced_mixed_plan_runs_both_paths(world):
     for x in v:
         assert x["stats"]["compressed_buckets"] > 0 and x["stats"]["uncompressed_buckets"] > 0
         assert x["max_err"] < 0.045
+    assert len({x["digest"] for x in v}) == 1
+
+
+def test_forced_bf16_plan(world):
+    W, res = world
+    v = values(res, "chk_forced_bf16_plan")
+    assert all(x["bf16_sums"] for x in v), "gloo cannot sum bf16 here"
+    for x in v:
+        s = x["stats"]
+        assert s["bf16_buckets"] > 0 and s["uncompressed_buckets"] > 0 and s["compressed_buckets"] == 0, s
+        assert s["bytes_sent"] < 0.75 * s["bytes_baseline"], s
+        assert 0 < x["max_err"] < 0.02, x["max_err"]
     assert len({x["digest"] for x in v}) == 1
 
 
