@@ -307,9 +307,9 @@ def cast_all_reduce(flat: torch.Tensor, group=None, *, wire_dtype: torch.dtype =
         stats.add("bytes_sent", ring_allreduce_bytes(sent.numel() * sent.element_size(), W))
 
     def finish() -> torch.Tensor:
+        if stats is not None:   # on the wire dtype's sum: half the bytes of the mean's
+            stats.add_device("nonfinite_buckets", _nonfinite(sent))
         flat.copy_(sent if sum_in_wire_dtype else sent.to(wire_dtype))
-        if stats is not None:
-            stats.add_device("nonfinite_buckets", _nonfinite(flat))
         return flat
 
     return _finish(work, finish, async_op)

@@ -33,10 +33,11 @@ def fp8_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
                         "parameter, which fp8_hook does not support (it compresses whole buckets); compile the "
                         "model without torch._dynamo.config.optimize_ddp='python_reducer', or use eager DDP")
     flat = bucket.buffer()
+    last = bucket.is_last()
     try:
-        return reduce_bucket(state, flat, state.bucket_spec(bucket.parameters(), bucket.gradients, flat))
+        return reduce_bucket(state, flat, state.bucket_spec(bucket.parameters(), bucket.gradients, flat), last)
     finally:
-        state.end_bucket(bucket.is_last())
+        state.end_bucket(last)
 
 
 _WORKER_ENV = "FP8_COMM_WORKER"

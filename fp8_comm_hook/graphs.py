@@ -9,8 +9,11 @@ one host call. The graph runs the same kernels on the same buffers, so the bytes
 exactly the eager path's.
 
 The replay goes to a dedicated stream that first waits for the compute stream (the gradients are
-ready), and the Future handed to DDP is CUDA-aware: DDP's later use of the bucket waits for the
-replay, while the backward of the next layers keeps running on the compute stream.
+ready), while the backward of the next layers keeps running on the compute stream. The Future handed
+to DDP is a plain completed one (a CUDA-aware Future records events on every call: ~40 µs of host
+time per bucket inside a backward on the H200's host); instead, the step's last bucket makes the
+compute stream wait for the communication stream (:meth:`BucketGraphs.join`), so everything after
+the backward's last bucket — DDP's copies out of the buckets, the optimizer — sees the means.
 
 Used only where it is exact and safe: CUDA tensors with an NCCL group (gloo collectives run on the
 host and cannot be captured), round-to-nearest (stochastic rounding draws a new seed each step), DDP's
@@ -33,6 +36,9 @@ __all__ = ["BucketGraphs", "graphs_enabled"]
 log = logging.getLogger("fp8_comm_hook")
 
 _ENV = "FP8_COMM_CUDA_GRAPHS"
+_EventBase = getattr(torch._C, "_CudaEventBase", None)   # CPU-only builds define it without methods
+_record = getattr(_EventBase, "record", None) or torch.cuda.Event.record
+_wait = getattr(_EventBase, "wait", None) or torch.cuda.Event.wait
 
 
 def graphs_enabled() -> bool:
@@ -47,7 +53,7 @@ class BucketGraphs:
     algorithm eagerly, and the second time captures it; returns the Future DDP waits on.
     """
 
-    __slots__ = ("_graphs", "_seen", "_streams", "_events", "_compute", "_logged", "enabled")
+    __slots__ = ("_graphs", "_seen", "_streams", "_events", "_done", "_compute", "_pending", "_logged", "enabled")
 
     #: Graphs kept per layout (variants: buffers, error feedback, nccl_fp8's pre_scale values); past
     #: it, new variants run eagerly.
@@ -60,6 +66,8 @@ class BucketGraphs:
         self._seen: "weakref.WeakKeyDictionary[object, set]" = weakref.WeakKeyDictionary()
         self._streams: Dict[torch.device, torch.cuda.Stream] = {}
         self._events: Dict[torch.device, torch.cuda.Event] = {}
+        self._done: Dict[torch.device, torch.cuda.Event] = {}   # recorded on the comm stream by join()
+        self._pending: set = set()   # devices whose communication stream has work no join() has covered
         self._compute: Dict[int, torch.cuda.Stream] = {}   # stream id -> Stream object of a compute stream
         self._logged = False
         self.enabled = graphs_enabled()   # read once: the hook path does not look at the environment
@@ -103,11 +111,13 @@ class BucketGraphs:
             after_replay: Optional[Callable[[], None]] = None) -> torch.futures.Future:
         """Run ``algorithm()`` (the bucket's synchronous all-reduce, leaving the mean in ``flat``) on
         the communication stream after the compute stream's pending work: eagerly the first time
-        this (layout, ``flat``, ``variant``) is seen, captured into a CUDA graph and replayed from
-        then on. A replay does none of ``algorithm``'s host work: ``on_replay()`` runs instead (host
-        counters). ``prepare_capture()`` runs once before capturing (to allocate what the graph must
-        not); ``after_replay()`` after every replay, on the communication stream (to queue copies the
-        host reads later). Returns a CUDA-aware Future holding ``flat``."""
+        this (``layout``, ``flat``, ``variant``) is seen, captured into a CUDA graph and replayed from
+        then on. ``layout`` is any object the graphs live and die with (weakly referenced). A replay
+        does none of ``algorithm``'s host work: ``on_replay()`` runs instead (host counters).
+        ``prepare_capture()`` runs once before capturing (to allocate what the graph must not);
+        ``after_replay()`` after every replay, on the communication stream (to queue copies the host
+        reads later). Returns a completed Future holding ``flat``, whose values are ready on the
+        compute stream only after :meth:`join` (the step's last bucket calls it)."""
         device = flat.device
         key = (flat.data_ptr(), flat.numel(), variant)
         per_layout = self._graphs.get(layout)
@@ -122,8 +132,9 @@ class BucketGraphs:
         ready = self._events.get(device)
         if ready is None:
             ready = self._events[device] = torch.cuda.Event()
-        ready.record(compute)
-        comm.wait_event(ready)
+        _record(ready, compute)   # torch.cuda.Event.record / Stream.wait_event without their Python layers
+        _wait(ready, comm)
+        self._pending.add(device)
         torch._C._cuda_setStream(stream_id=comm.stream_id, device_index=comm.device_index,
                                  device_type=comm.device_type)
         try:
@@ -133,13 +144,27 @@ class BucketGraphs:
                 replayed = True
             else:
                 replayed = self._first_runs(layout, key, comm, algorithm, prepare_capture)
+                # An eager run allocates on the communication stream; DDP's buffer must not be
+                # handed to the compute stream's allocations while that may still read it.
+                flat.record_stream(comm)
             if replayed and after_replay is not None:
                 after_replay()
-            fut = torch.futures.Future(devices=[device])
-            fut.set_result(flat)   # records an event on the communication stream: DDP's use waits for it
         finally:
             torch._C._cuda_setStream(stream_id=sid, device_index=didx, device_type=dtype)
-        # The bucket buffer is DDP's and lives across steps; keep the caching allocator from
-        # handing its memory to the compute stream while the replay may still read it.
-        flat.record_stream(comm)
+        fut = torch.futures.Future()
+        fut.set_result(flat)
         return fut
+
+    def join(self) -> None:
+        """Make the current (compute) stream of every device with communication since the last join
+        wait for everything queued on its communication stream so far. The DDP hook calls it at the
+        step's last bucket, before DDP reads the buckets."""
+        if not self._pending:
+            return
+        for device in self._pending:
+            done = self._done.get(device)
+            if done is None:
+                done = self._done[device] = torch.cuda.Event()
+            done.record(self._streams[device])
+            torch.cuda.current_stream(device).wait_event(done)
+        self._pending.clear()

@@ -14,7 +14,7 @@ from . import collectives
 from .config import FP8CommConfig
 from .layout import LayoutSpec, PooledLayout
 from .state import FP8CommState
-from .stats import fp8_sum_bytes, two_shot_bytes
+from .stats import fp8_sum_bytes, ring_allreduce_bytes, two_shot_bytes
 
 __all__ = ["reduce_flat", "reduce_bucket", "reduce_scatter_flat", "all_reduce"]
 
@@ -42,32 +42,52 @@ def _dispatch(state: FP8CommState, plan, flat: torch.Tensor, async_op: bool, gro
 
 def _graphable(state: FP8CommState, plan, flat: torch.Tensor) -> bool:
     """Whether this bucket's all-reduce can run as a captured CUDA graph (:mod:`fp8_comm_hook.graphs`):
-    CUDA tensors over NCCL, round-to-nearest, a non-pooled layout, and a codec without host state that
-    changes per call (the Triton codec's tensor/bucket scaling passes a new amax epoch every call)."""
+    CUDA tensors over NCCL, round-to-nearest, a plan reused across steps; for the FP8 modes also a
+    non-pooled layout and a codec without host state that changes per call (the Triton codec's
+    tensor/bucket scaling passes a new amax epoch every call)."""
     cfg = state.config
-    if not flat.is_cuda or state.backend != "nccl" or cfg.stochastic_rounding or not state.bucket_graphs().enabled:
+    if not flat.is_cuda or state.backend != "nccl" or cfg.stochastic_rounding or plan.memo is None:
         return False
+    if not state.bucket_graphs().enabled:
+        return False
+    if plan.layout is None:
+        return True
     if isinstance(plan.layout, PooledLayout):
         return False
     name = getattr(plan.codec, "name", "")
     return name == "torch" or (name == "triton" and cfg.scaling == "block")
 
 
-def reduce_bucket(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec) -> torch.futures.Future:
-    """The DDP hook's form of :func:`reduce_flat`: average the bucket ``flat`` and return a Future of
-    it. Where it is exact (see :func:`_graphable`), the bucket's whole FP8 all-reduce is replayed as
-    a captured CUDA graph on a communication stream; where the state has a communication worker
-    (gloo, round-to-nearest), the bucket's FP8 all-reduce runs on that thread, in bucket order, and
-    this returns at once; otherwise the collectives are issued here, in bucket order, and the
-    Future's callback finishes the bucket."""
-    plan = state.prepare(flat, spec)
-    group, rec = state.group, state.stats_recorder
-    fp8 = plan.layout is not None
-    if fp8 and _graphable(state, plan, flat):
-        L, codec, res, cfg = plan.layout, plan.codec, plan.residual, state.config
-        W = L.world_size
-        after_replay = None
-        if plan.mode == "nccl_fp8":
+class _GraphOwner:
+    """What a plain or bf16 bucket's graphs live and die with (an FP8 bucket's live with its layout)."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _graph_runner(state: FP8CommState, plan, flat: torch.Tensor):
+    """``run()`` for a graphable bucket: replays (or, the first times, runs and captures) the bucket's
+    synchronous all-reduce on the communication stream and returns DDP's Future. Built once per
+    plan and kept in the plan's ``memo``."""
+    group, rec, graphs = state.group, state.stats_recorder, state.bucket_graphs()
+    L, codec, res, cfg, mode = plan.layout, plan.codec, plan.residual, state.config, plan.mode
+    prepare_capture = lambda: rec.device_counters(flat.device)  # noqa: E731
+    if mode == "none" or mode == "bf16":
+        owner = _GraphOwner()
+        W = state.world_size
+        nbytes = ring_allreduce_bytes(flat.numel() * (flat.element_size() if mode == "none" else 2), W)
+        if mode == "none":
+            algorithm = lambda: collectives.plain_all_reduce(flat, group, stats=rec)  # noqa: E731
+        else:
+            algorithm = lambda: collectives.cast_all_reduce(flat, group, stats=rec)  # noqa: E731
+        on_replay = lambda: rec.add("bytes_sent", nbytes)  # noqa: E731
+        variant = (mode,)
+        return lambda: graphs.run(owner, flat, variant, algorithm, on_replay, prepare_capture)
+    W = L.world_size
+    if mode == "nccl_fp8":
+        nbytes = fp8_sum_bytes(L.padded_numel, L.groups.num_groups, W)
+        on_replay = lambda: rec.add("bytes_sent", nbytes)  # noqa: E731
+
+        def run():
             # The automatic pre_scale is adapted here, on the host, from the last sum's saturation
             # count; each value it takes is a variant of the graph (it steadies at 1 or a halving of it).
             ps = cfg.pre_scale if cfg.pre_scale is not None else collectives.auto_pre_scale_step(L)
@@ -75,21 +95,40 @@ def reduce_bucket(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec) -> 
             def algorithm():
                 return collectives.nccl_fp8(flat, L, codec, group, pre_scale=ps, stats=rec, residual=res)
 
-            nbytes = fp8_sum_bytes(L.padded_numel, L.groups.num_groups, W)
-            variant = (plan.mode, res is not None, ps)
-            after_replay = L.publish_saturation
-        else:
-            def algorithm():
-                return collectives.two_shot(flat, L, codec, group, stats=rec, residual=res)
+            return graphs.run(L, flat, (mode, res is not None, ps), algorithm, on_replay, prepare_capture,
+                              L.publish_saturation)
 
-            nbytes = two_shot_bytes(L.chunk_bytes, W)
-            variant = (plan.mode, res is not None)
-        return state.bucket_graphs().run(L, flat, variant, algorithm,
-                                         on_replay=lambda: rec.add("bytes_sent", nbytes),
-                                         prepare_capture=lambda: rec.device_counters(flat.device),
-                                         after_replay=after_replay)
+        return run
+    nbytes = two_shot_bytes(L.chunk_bytes, W)
+    on_replay = lambda: rec.add("bytes_sent", nbytes)  # noqa: E731
+    algorithm = lambda: collectives.two_shot(flat, L, codec, group, stats=rec, residual=res)  # noqa: E731
+    variant = (mode, res is not None)
+    return lambda: graphs.run(L, flat, variant, algorithm, on_replay, prepare_capture)
+
+
+def reduce_bucket(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec, last: bool = True) -> torch.futures.Future:
+    """The DDP hook's form of :func:`reduce_flat`: average the bucket ``flat`` and return a Future of
+    it; ``last``: this is the step's last bucket. On CUDA with NCCL (see :func:`_graphable`) the
+    bucket's whole all-reduce, FP8 or not, is replayed as a captured CUDA graph on a communication
+    stream, and the last bucket makes the compute stream wait for that stream (before DDP reads
+    the buckets); where the state has a communication worker (gloo, round-to-nearest), an FP8
+    bucket's all-reduce runs on that thread, in bucket order, and this returns at once; otherwise
+    the collectives are issued here, in bucket order, and the Future's callback finishes the
+    bucket."""
+    plan = state.prepare(flat, spec)
+    memo = plan.memo
+    run = memo.get("graph_run") if memo is not None else None
+    if run is None and _graphable(state, plan, flat):
+        run = memo["graph_run"] = _graph_runner(state, plan, flat)
+    if run is not None:
+        fut = run()
+        if last:
+            state.bucket_graphs().join()
+        return fut
+    if last and flat.is_cuda:
+        state.bucket_graphs().join()   # earlier buckets of this step may have run on the comm stream
     worker = state.worker
-    if fp8 and worker is not None and not state.config.stochastic_rounding:
+    if plan.layout is not None and worker is not None and not state.config.stochastic_rounding:
         side_group = worker[1]
         return worker[0].submit(lambda: _dispatch(state, plan, flat, async_op=False, group=side_group),
                                 flat.device)

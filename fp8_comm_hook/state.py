@@ -39,6 +39,10 @@ class BucketPlan(NamedTuple):
     codec: object = None
     residual: Optional[torch.Tensor] = None
     generator: Optional[torch.Generator] = None
+    #: For a plan the state reuses across steps (same bucket, buffer and mode; no stochastic
+    #: rounding), a dict the caller may keep what it derives from the plan in (dropped with the
+    #: plan when the state's layouts change); None for a plan built for one call.
+    memo: Optional[dict] = None
 
 
 class FP8CommState:
@@ -55,7 +59,7 @@ class FP8CommState:
 
     __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
                  "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
-                 "_world", "_graphs", "_worker", "_side_group", "_specs", "_auto", "__weakref__")
+                 "_world", "_graphs", "_worker", "_side_group", "_specs", "_auto", "_plans", "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -79,6 +83,7 @@ class FP8CommState:
         self._side_group = None                      # ... and the process group it issues them on
         self._specs: Dict[tuple, LayoutSpec] = {}    # (parameter keys, buffer address, numel) -> DDP bucket spec
         self._auto = None                            # algorithm="auto": (numel, element size) -> mode, see set_auto_plan
+        self._plans: Dict[tuple, tuple] = {}         # prepare()'s reusable plans, see prepare()
         self.layouts_built = 0                      # how many bucket layouts were derived (rebuilds add)
         self.loss_scale: Optional[float] = None     # the loss scale the residuals are in (set_loss_scale)
 
@@ -88,6 +93,7 @@ class FP8CommState:
         module's names are used, so they match an unwrapped model's). Returns self."""
         inner = getattr(model, "module", model)
         self._names = {id(p): n for n, p in inner.named_parameters()}
+        self._specs.clear()   # bucket specs hold the names
         return self
 
     @property
@@ -172,10 +178,10 @@ class FP8CommState:
         ``flat`` (keyed by parameter name after :meth:`bind`). ``grads`` is the list of gradients or a
         callable returning it (``bucket.gradients``): it is called only the first time these
         parameters are seen in a buffer at this address and size (their offsets are then fixed)."""
-        names = tuple(self._key(p) for p in params)
-        key = (names, flat.data_ptr(), flat.numel())
+        key = (tuple(map(id, params)), flat.data_ptr(), flat.numel())   # names are keyed by id too (bind)
         spec = self._specs.get(key)
         if spec is None:
+            names = tuple(self._key(p) for p in params)
             if callable(grads):
                 grads = grads()
             esize, base = flat.element_size(), flat.data_ptr()
@@ -216,25 +222,45 @@ class FP8CommState:
         """Everything one bucket needs, in one call: the wire mode for ``flat`` at this step, the
         bucket counted in the stats (against a ring ``collective``, "all_reduce" or
         "reduce_scatter", in ``flat``'s dtype), and for an FP8 mode the layout of ``spec`` (a pooled
-        one bound to the buffers this algorithm uses), the codec, the residual and the generator."""
-        mode = self.mode_for(flat.numel(), flat.element_size())
-        if mode == "bf16" and (collective != "all_reduce" or flat.element_size() <= 2):
+        one bound to the buffers this algorithm uses), the codec, the residual and the generator.
+
+        The plan of a bucket seen before (the same ``spec`` object, buffer, dtype and mode) is the
+        same object, with a ``memo`` dict for the caller, until a layout is adopted or retired;
+        pooled layouts and stochastic rounding (a generator reseeded per bucket) get a new plan each
+        call."""
+        numel, esize = flat.numel(), flat.element_size()
+        mode = self.mode_for(numel, esize)
+        key = (id(spec), flat.data_ptr(), numel, flat.dtype, flat.get_device(), mode, collective)
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is spec:
+            self._stats.add_bucket(hit[2], hit[3])
+            return hit[1]
+        if mode == "bf16" and (collective != "all_reduce" or esize <= 2):
             mode = "none"   # the bf16 recipe is an all-reduce of a wider dtype
-        self._stats.add("bytes_baseline", ring_bytes(collective, flat.numel() * flat.element_size(), self.world_size
-                                                     if spec.world_size is None else spec.world_size))
-        self._stats.add(_BUCKET_COUNTER.get(mode, "compressed_buckets"), 1)
+        baseline = ring_bytes(collective, numel * esize, self.world_size if spec.world_size is None else spec.world_size)
+        counter = _BUCKET_COUNTER.get(mode, "compressed_buckets")
+        self._stats.add_bucket(counter, baseline)
+        reusable = not spec.pooled and not self.config.stochastic_rounding
         if mode == "none" or mode == "bf16":
-            return BucketPlan(mode)
-        layout = self.layout(spec, flat)
-        if isinstance(layout, PooledLayout):
-            layout.bind(self._pool, ("rs_" if collective == "reduce_scatter" else "ar_") + mode)
-        residual = layout.ensure_residual() if self.config.error_feedback else None
-        return BucketPlan(mode, layout, self.codec_for(flat.device), residual, self.generator_for(flat.device))
+            plan = BucketPlan(mode, memo={} if reusable else None)
+        else:
+            layout = self.layout(spec, flat)
+            if isinstance(layout, PooledLayout):
+                layout.bind(self._pool, ("rs_" if collective == "reduce_scatter" else "ar_") + mode)
+            residual = layout.ensure_residual() if self.config.error_feedback else None
+            plan = BucketPlan(mode, layout, self.codec_for(flat.device), residual, self.generator_for(flat.device),
+                              {} if reusable else None)
+        if reusable:
+            if len(self._plans) >= 4096:  # buckets rebuilt many times: forget the old buffers
+                self._plans.clear()
+            self._plans[key] = (spec, plan, counter, baseline)
+        return plan
 
     def _retire(self, lkey: tuple) -> None:
         old = self._layouts.pop(lkey, None)
         if old is None:
             return
+        self._plans.clear()   # plans hold layouts: none may outlive its layout
         if old.residual is not None:
             for i, name in enumerate(old.names):
                 self._stored_residuals[name] = old.segment(old.residual, i).clone()

@@ -67,6 +67,12 @@ class CommStats:
         with self._lock:
             self.host[key] += int(n)
 
+    def add_bucket(self, counter: str, baseline_bytes: int) -> None:
+        """One bucket: add 1 to ``counter`` and ``baseline_bytes`` to ``bytes_baseline`` (one lock)."""
+        with self._lock:
+            self.host[counter] += 1
+            self.host["bytes_baseline"] += baseline_bytes
+
     def device_counters(self, device: torch.device) -> torch.Tensor:
         """The int64 device counters of ``device`` (one per :attr:`DEVICE_KEYS`), allocated on first
         use (a captured CUDA graph adds to them, so they must exist before capture)."""
