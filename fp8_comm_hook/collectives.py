@@ -62,8 +62,10 @@ def _nonfinite(t: torch.Tensor) -> torch.Tensor:
     """Device bool: does the uncompressed mean ``t`` hold an Inf or NaN? One pass (an fp32 sum, which
     an Inf or NaN anywhere makes non-finite) instead of ``isfinite`` + ``any`` (30x the time on one
     CPU core for a 4M-element bucket). A finite bucket whose sum leaves the fp32 range (|sum| > 3.4e38)
-    counts as non-finite too."""
-    return ~torch.isfinite(t.sum(dtype=torch.float32))
+    counts as non-finite too. bf16 is summed in its own dtype (the same exponent range as fp32; on
+    one CPU core 35x faster than summing it into fp32: 0.7 ms against 24.6 ms for 12.6M values),
+    fp16 into fp32 (its own range ends at 65504)."""
+    return ~torch.isfinite(t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum())
 
 
 def _scatter_reduce(flat: torch.Tensor, layout: BucketLayout, codec, group, residual: Optional[torch.Tensor],

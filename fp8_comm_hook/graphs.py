@@ -155,6 +155,40 @@ class BucketGraphs:
         fut.set_result(flat)
         return fut
 
+    def replayer(self, layout, flat: torch.Tensor, variant: tuple,
+                 on_replay: Callable[[], None]) -> Optional[Callable[[], torch.futures.Future]]:
+        """Once the graph of (``layout``, ``flat``, ``variant``) is captured: a callable doing what
+        :meth:`run` does for it, with every lookup done here, once (the graph, the streams, the
+        event); None before. The caller keeps it as long as it keeps ``layout``."""
+        per_layout = self._graphs.get(layout)
+        graph = per_layout.get((flat.data_ptr(), flat.numel(), variant)) if per_layout is not None else None
+        if graph is None:
+            return None
+        device, idx = flat.device, flat.device.index
+        comm, ready, computes, pending = self.stream(device), self._events[device], self._compute, self._pending
+        comm_id, comm_idx, comm_type = comm.stream_id, comm.device_index, comm.device_type
+        get_stream, set_stream, replay = torch._C._cuda_getCurrentStream, torch._C._cuda_setStream, graph.replay
+
+        def run_replay() -> torch.futures.Future:
+            sid, didx, dtype = get_stream(idx)
+            compute = computes.get(sid)
+            if compute is None:
+                compute = computes[sid] = torch.cuda.Stream(stream_id=sid, device_index=didx, device_type=dtype)
+            _record(ready, compute)
+            _wait(ready, comm)
+            pending.add(device)
+            set_stream(stream_id=comm_id, device_index=comm_idx, device_type=comm_type)
+            try:
+                replay()
+            finally:
+                set_stream(stream_id=sid, device_index=didx, device_type=dtype)
+            on_replay()
+            fut = torch.futures.Future()
+            fut.set_result(flat)
+            return fut
+
+        return run_replay
+
     def join(self) -> None:
         """Make the current (compute) stream of every device with communication since the last join
         wait for everything queued on its communication stream so far. The DDP hook calls it at the
