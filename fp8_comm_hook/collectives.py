@@ -85,21 +85,34 @@ def _scatter_reduce(flat: torch.Tensor, layout: BucketLayout, codec, group, resi
 #: 171-176 ms (twice its transfer) in others, an all-gather of 2.2 MB 87-148 ms; sent as 16 pieces the
 #: same bytes took 90.5-94 ms every time. gloo's own ring all-reduce sends pieces too.
 GLOO_PIECE_BYTES = 1 << 17
+#: ... and a row goes in at most this many pieces (larger pieces for larger rows): every piece is a
+#: gloo send/recv pair issued from Python (tens of us of host time each), and 128 KB pieces of a
+#: 46M-parameter model's 11.9 MB rows (~90 per row) made FP8 no faster than the bf16 hook over a
+#: 10 Gbit/s link with 4 ranks sharing an H200 (150.8 against 156.5 ms a step).
+GLOO_MAX_PIECES = 16
+
+
+def piece_bytes(row_bytes: int) -> int:
+    """The piece size of a gloo exchange of ``row_bytes``-byte rows: :data:`GLOO_PIECE_BYTES`, or
+    the row in :data:`GLOO_MAX_PIECES` pieces where that is larger (rounded up to 4 KB)."""
+    per = -(-row_bytes // GLOO_MAX_PIECES)
+    return max(GLOO_PIECE_BYTES, -(-per // 4096) * 4096)
 
 
 def _exchange_rows(recv: torch.Tensor, send_row, group) -> None:
     """gloo: row r of ``recv`` (uint8 [W, n]) from rank r, ``send_row(dst)`` (uint8 [n]) to every
-    other rank ``dst``, in pieces of at most :data:`GLOO_PIECE_BYTES`, all posted at once, one tag
-    per piece; this rank's own row is copied. Returns when every piece has arrived."""
+    other rank ``dst``, in pieces of :func:`piece_bytes`, all posted at once, one tag per piece;
+    this rank's own row is copied. Returns when every piece has arrived."""
     W, rank = dist.get_world_size(group), dist.get_rank(group)
     n = recv.shape[1]
+    piece = piece_bytes(n)
     ops = []
     for i in range(1, W):
         dst, src = (rank + i) % W, (rank - i) % W
         gdst, gsrc = _global_rank(group, dst), _global_rank(group, src)
         out = send_row(dst)
-        for tag, a in enumerate(range(0, n, GLOO_PIECE_BYTES)):
-            b = a + GLOO_PIECE_BYTES
+        for tag, a in enumerate(range(0, n, piece)):
+            b = a + piece
             ops.append(dist.P2POp(dist.isend, out[a:b], gdst, group, tag))
             ops.append(dist.P2POp(dist.irecv, recv[src, a:b], gsrc, group, tag))
     works = dist.batch_isend_irecv(ops) if ops else []

@@ -108,3 +108,14 @@ def test_comm_worker_runs_in_order_on_its_thread_and_reports_errors():
         fut.wait()
     assert int(w.submit(lambda: torch.tensor(7)).wait()) == 7   # the thread survives a failed job
     w.close()
+
+
+def test_gloo_piece_sizes():
+    """Rows go in pieces of 128 KB, and in at most GLOO_MAX_PIECES pieces (4 KB multiples) when that
+    makes them larger; the pieces cover every row exactly."""
+    from fp8_comm_hook.collectives import GLOO_MAX_PIECES, GLOO_PIECE_BYTES, piece_bytes
+    assert piece_bytes(1) == piece_bytes(GLOO_PIECE_BYTES * GLOO_MAX_PIECES) == GLOO_PIECE_BYTES
+    for n in (GLOO_PIECE_BYTES * GLOO_MAX_PIECES + 1, 2_228_224, 11_900_000, 190_000_001):
+        p = piece_bytes(n)
+        assert p % 4096 == 0 and p >= GLOO_PIECE_BYTES
+        assert -(-n // p) <= GLOO_MAX_PIECES and -(-n // (p - 4096)) > GLOO_MAX_PIECES, (n, p)
