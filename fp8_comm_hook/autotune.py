@@ -2,7 +2,7 @@
 where the group can sum bf16) or the plain all-reduce in the bucket's dtype, whichever a measured cost
 model predicts fastest.
 
-The model (pure functions of five figures, :class:`Figures`):
+The model (pure functions of six figures, :class:`Figures`):
 
 - a plain all-reduce of ``B`` bytes takes ``latency_s + s_per_byte * B`` (both fitted from timed
   fp32 all-reduces of two sizes on the group, so ``s_per_byte`` already holds the ring's
@@ -12,7 +12,8 @@ The model (pure functions of five figures, :class:`Figures`):
   the codec's encode, owner reduce and decode on this device:
   ``2 * latency_s + s_per_byte * n * fp8_bytes_per_elem + codec_fixed_s + codec_s_per_elem * n``;
 - the bf16 recipe (cast to bf16, divide, all-reduce, cast back) of ``n`` elements:
-  ``latency_s + s_per_byte * n * 2 + cast_s_per_elem * n``.
+  ``latency_s + bf16_s_per_elem * n + cast_s_per_elem * n``, where ``bf16_s_per_elem`` comes from
+  timed bf16 all-reduces (a backend may sum bf16 slower than fp32: gloo on the host does).
 
 The fastest prediction wins; a tie goes to the plain all-reduce, then bf16 (:func:`choose`). Every rank measures its own
 figures, then one MAX all-reduce gives every rank the same (slowest rank's) figures, so every rank
@@ -49,13 +50,15 @@ REPEATS = 5
 class Figures:
     """What the cost model needs, in seconds: a collective's fixed cost and an all-reduce's cost per
     byte of the tensor, the codec's fixed cost per bucket and its cost per element, and the bf16
-    recipe's cost per element (both casts and the division; 0 where not measured)."""
+    recipe's cost per element (both casts and the division; 0 where not measured) and a bf16
+    all-reduce's cost per element (negative where not measured: then twice ``s_per_byte``)."""
 
     latency_s: float
     s_per_byte: float
     codec_fixed_s: float
     codec_s_per_elem: float
     cast_s_per_elem: float = 0.0
+    bf16_s_per_elem: float = -1.0
 
     def as_list(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -104,7 +107,8 @@ def predict_two_shot_s(f: Figures, numel: int, fp8_bpe: float) -> float:
 
 def predict_cast_s(f: Figures, numel: int) -> float:
     """Predicted time of the bf16 recipe on ``numel`` elements (a bf16 all-reduce plus the casts)."""
-    return f.latency_s + f.s_per_byte * numel * 2 + f.cast_s_per_elem * numel
+    wire = f.bf16_s_per_elem if f.bf16_s_per_elem >= 0 else 2 * f.s_per_byte
+    return f.latency_s + wire * numel + f.cast_s_per_elem * numel
 
 
 def choose(f: Figures, numel: int, element_size: int, fp8_bpe: float, cast: bool = False) -> str:
@@ -226,19 +230,25 @@ def time_cast(numel: int, world_size: int, device: torch.device, repeats: int = 
 def measure_local(state, device: torch.device, all_reduce_sizes: Sequence[int] = ALL_REDUCE_SIZES,
                   codec_sizes: Sequence[int] = CODEC_SIZES, repeats: int = REPEATS) -> Figures:
     """This rank's figures: fp32 all-reduces of two sizes on the state's group (a collective: every
-    rank of the group must call it at the same point), the codec and the bf16 recipe's casts at two
+    rank of the group must call it at the same point), bf16 all-reduces of the same sizes where the
+    group sums bf16 (else ``bf16_s_per_elem`` is -1), the codec and the bf16 recipe's casts at two
     sizes on ``device``."""
     (n1, n2), (c1, c2) = sorted(all_reduce_sizes), sorted(codec_sizes)
     t1 = collectives.time_all_reduce(n1, state.group, device, repeats)
     t2 = collectives.time_all_reduce(n2, state.group, device, repeats)
     latency, per_byte = fit_line(4 * n1, t1, 4 * n2, t2)
+    bf16_per_elem = -1.0
+    if collectives.bf16_all_reduce_works(state.group, device):   # the same answer on every rank
+        b1 = collectives.time_all_reduce(n1, state.group, device, repeats, torch.bfloat16)
+        b2 = collectives.time_all_reduce(n2, state.group, device, repeats, torch.bfloat16)
+        bf16_per_elem = fit_line(n1, b1, n2, b2)[1]
     codec = state.codec_for(device)
     k1 = time_codec(codec, state.config, c1, state.world_size, state.rank, device, repeats)
     k2 = time_codec(codec, state.config, c2, state.world_size, state.rank, device, repeats)
     fixed, per_elem = fit_line(c1, k1, c2, k2)
     _, cast_per_elem = fit_line(c1, time_cast(c1, state.world_size, device, repeats),
                                 c2, time_cast(c2, state.world_size, device, repeats))
-    return Figures(latency, per_byte, fixed, per_elem, cast_per_elem)
+    return Figures(latency, per_byte, fixed, per_elem, cast_per_elem, bf16_per_elem)
 
 
 def measure(state, device: torch.device, **kw) -> Figures:
@@ -257,14 +267,16 @@ def tune(state, device: Optional[torch.device] = None, **kw) -> AutoPlan:
     device = torch.device(device if device is not None else "cpu")
     f = measure(state, device, **kw)
     cfg = state.config
-    cast = collectives.bf16_all_reduce_works(state.group, device)   # same answer on every rank
+    cast = f.bf16_s_per_elem >= 0   # measured only where the group sums bf16
     plan = AutoPlan(f, state.world_size, fp8_bytes_per_elem(cfg.scaling, cfg.block_size), cast)
     state.set_auto_plan(plan)
     be = plan.report()["break_even_numel"]
     log.info("fp8_comm_hook: auto: collective latency %.1f us, all-reduce %.3f GB/s of tensor, codec %.1f us + "
-             "%.2f ns/element, bf16 casts %.2f ns/element%s (max over %d ranks); two_shot beats the plain "
+             "%.2f ns/element, %s (max over %d ranks); two_shot beats the plain "
              "all-reduce from %s elements (fp32 buckets), %s (bf16)",
              f.latency_s * 1e6, 1e-9 / f.s_per_byte if f.s_per_byte > 0 else float("inf"), f.codec_fixed_s * 1e6,
-             f.codec_s_per_elem * 1e9, f.cast_s_per_elem * 1e9, "" if cast else " (the group cannot sum bf16: not used)",
+             f.codec_s_per_elem * 1e9,
+             f"bf16 all-reduce {f.bf16_s_per_elem * 1e9:.2f} ns/element + casts {f.cast_s_per_elem * 1e9:.2f} ns/element"
+             if cast else "the group cannot sum bf16 (bf16 not a candidate)",
              state.world_size, be["fp32"] or "never", be["bf16"] or "never")
     return plan

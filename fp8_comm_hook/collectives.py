@@ -435,14 +435,15 @@ def new_side_group(group=None):
 
 
 # ---------------------------------------------------------------------------------- measuring (auto)
-def time_all_reduce(numel: int, group=None, device: torch.device = torch.device("cpu"), repeats: int = 3) -> float:
-    """Seconds of a SUM all-reduce of ``numel`` fp32 elements on ``device`` over ``group`` (for
+def time_all_reduce(numel: int, group=None, device: torch.device = torch.device("cpu"), repeats: int = 3,
+                    dtype: torch.dtype = torch.float32) -> float:
+    """Seconds of a SUM all-reduce of ``numel`` elements of ``dtype`` on ``device`` over ``group`` (for
     :mod:`fp8_comm_hook.autotune`): the fastest of ``repeats`` after one untimed warm-up (the fastest,
     not the median: a rank descheduled once on a busy host must not set the figure); each timed call
     follows a one-element all-reduce so that the ranks start it together. Every rank of ``group``
     must call it."""
     device = torch.device(device)
-    x = torch.zeros(numel, device=device)
+    x = torch.zeros(numel, device=device, dtype=dtype)
     start = torch.zeros(1, device=device)
 
     def sync():

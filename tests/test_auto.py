@@ -73,6 +73,10 @@ def test_bf16_is_chosen_where_it_is_predicted_fastest():
     slow = Figures(**{**SLOW_LINK.__dict__, "cast_s_per_elem": 0.5e-9})
     assert choose(slow, n, 4, BPE, cast=True) == "two_shot"         # 8 ns/byte: FP8's 3 bytes win
     assert choose(slow, 1000, 4, BPE, cast=True) == "bf16"          # too small for the codec's fixed cost
+    # a backend that sums bf16 slowly (measured per element): the plain all-reduce wins again
+    slow_bf16 = Figures(**{**LAN_LINK.__dict__, "bf16_s_per_elem": 3.8e-9})
+    assert autotune.predict_cast_s(slow_bf16, n) == pytest.approx(20e-6 + 3.8e-9 * n + 0.5e-9 * n)
+    assert choose(slow_bf16, n, 4, BPE, cast=True) == "none"
     plan = AutoPlan(LAN_LINK, 2, BPE, cast=True)
     assert plan(n, 4) == "bf16" and plan(n, 2) == "none"
     rep = plan.report()
@@ -282,4 +286,5 @@ def test_tune_on_request_agrees(world):
     W, res = world
     v = values(res, "chk_tune_on_request")
     assert all(x["same"] for x in v)
+    assert v[0]["figures"].bf16_s_per_elem >= 0   # gloo sums bf16: its all-reduce was timed
     assert all(x["modes"] == v[0]["modes"] and x["figures"] == v[0]["figures"] for x in v)
