@@ -237,11 +237,16 @@ def measure_local(state, device: torch.device, all_reduce_sizes: Sequence[int] =
     t1 = collectives.time_all_reduce(n1, state.group, device, repeats)
     t2 = collectives.time_all_reduce(n2, state.group, device, repeats)
     latency, per_byte = fit_line(4 * n1, t1, 4 * n2, t2)
+    if per_byte == 0.0:
+        # The larger all-reduce was not measurably slower than the smaller one (noise on a shared
+        # host): no line fits; take the larger one's time as all bandwidth, which never rates the
+        # link faster than it measured (a zero cost per byte would make every bucket go plain).
+        latency, per_byte = 0.0, t2 / (4 * n2)
     bf16_per_elem = -1.0
     if collectives.bf16_all_reduce_works(state.group, device):   # the same answer on every rank
         b1 = collectives.time_all_reduce(n1, state.group, device, repeats, torch.bfloat16)
         b2 = collectives.time_all_reduce(n2, state.group, device, repeats, torch.bfloat16)
-        bf16_per_elem = fit_line(n1, b1, n2, b2)[1]
+        bf16_per_elem = fit_line(n1, b1, n2, b2)[1] or b2 / n2
     codec = state.codec_for(device)
     k1 = time_codec(codec, state.config, c1, state.world_size, state.rank, device, repeats)
     k2 = time_codec(codec, state.config, c2, state.world_size, state.rank, device, repeats)

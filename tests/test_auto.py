@@ -84,6 +84,28 @@ def test_bf16_is_chosen_where_it_is_predicted_fastest():
     assert [b["predicted_bf16_ms"] is None for b in rep["buckets"]] == [True, False]  # sorted: (n, 2), (n, 4)
 
 
+def test_noisy_all_reduce_timings_never_make_the_link_free(monkeypatch):
+    """When the larger timed all-reduce comes out no slower than the smaller (noise on a shared
+    host), the figures take the larger one's time as all bandwidth instead of a zero cost per byte
+    (which made every bucket go plain on the H200 at 25 Gbit/s: 0.66x the bf16 hook)."""
+    from types import SimpleNamespace
+    from fp8_comm_hook import collectives
+    times = {(4096, torch.float32): 5.2e-3, (1 << 20, torch.float32): 5.1e-3,
+             (4096, torch.bfloat16): 3.0e-3, (1 << 20, torch.bfloat16): 2.9e-3}
+    monkeypatch.setattr(collectives, "time_all_reduce",
+                        lambda n, group, device, repeats, dtype=torch.float32: times[(n, dtype)])
+    monkeypatch.setattr(collectives, "bf16_all_reduce_works", lambda group, device: True)
+    monkeypatch.setattr(autotune, "time_codec", lambda codec, cfg, n, W, r, dev, rep: 1e-4 + 1e-9 * n)
+    monkeypatch.setattr(autotune, "time_cast", lambda n, W, dev, rep: 1e-10 * n)
+    state = SimpleNamespace(group=None, config=FP8CommConfig(), world_size=2, rank=0, codec_for=lambda d: None)
+    f = autotune.measure_local(state, torch.device("cpu"))
+    assert f.latency_s == 0.0 and f.s_per_byte == pytest.approx(5.1e-3 / (4 << 20))
+    assert f.bf16_s_per_elem == pytest.approx(2.9e-3 / (1 << 20))
+    assert f.codec_fixed_s == pytest.approx(1e-4) and f.codec_s_per_elem == pytest.approx(1e-9)
+    assert f.cast_s_per_elem == pytest.approx(1e-10)
+    assert choose(f, 4_000_000, 4, BPE, cast=True) == "two_shot"
+
+
 def test_bf16_choice_becomes_plain_where_it_cannot_apply():
     """A plan answering "bf16" for a bucket of bf16 gradients or a reduce-scatter gets the plain
     collective (the bf16 recipe is an all-reduce of a wider dtype)."""
