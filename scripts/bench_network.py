@@ -32,7 +32,7 @@ link rate, one line per mode); prints a table with each mode's ratio to the bf16
     sudo python scripts/bench_network.py --nodes 2 --ranks-per-node 1 --model mlp --width 1024 --depth 4 12 \\
         --rates 0.2 1 none --out benchmarks/results/network-cpu
     python scripts/bench_network.py --device cuda --nodes 4 --ranks-per-node 1 --width 2048 --depth 11 \\
-        --rates 10 25 none --out benchmarks/results/network-h200
+        --rates 2.5 5 10 none --out benchmarks/results/network-h200
 """
 import argparse
 import ipaddress
