@@ -121,16 +121,16 @@ def _settling(graphs, owner, flat: torch.Tensor, variant: tuple, algorithm, on_r
     return run
 
 
-def reduce_bucket(state: FP8CommState, flat: torch.Tensor, spec: LayoutSpec, last: bool = True) -> torch.futures.Future:
-    """The DDP hook's form of :func:`reduce_flat`: average the bucket ``flat`` and return a Future of
-    it; ``last``: this is the step's last bucket. On CUDA with NCCL (see :func:`_graphable`) the
+def reduce_bucket(state: FP8CommState, flat: torch.Tensor, plan, last: bool = True) -> torch.futures.Future:
+    """The DDP hook's form of :func:`reduce_flat`: average the bucket ``flat`` with ``plan`` (its
+    :class:`~fp8_comm_hook.state.BucketPlan`, from :meth:`FP8CommState.prepare_bucket` or
+    :meth:`FP8CommState.prepare`) and return a Future of it; ``last``: this is the step's last bucket. On CUDA with NCCL (see :func:`_graphable`) the
     bucket's whole all-reduce, FP8 or not, is replayed as a captured CUDA graph on a communication
     stream, and the last bucket makes the compute stream wait for that stream (before DDP reads
     the buckets); where the state has a communication worker (gloo, round-to-nearest), an FP8
     bucket's all-reduce runs on that thread, in bucket order, and this returns at once; otherwise
     the collectives are issued here, in bucket order, and the Future's callback finishes the
     bucket."""
-    plan = state.prepare(flat, spec)
     memo = plan.memo
     run = memo.get("graph_run") if memo is not None else None
     if run is None and _graphable(state, plan, flat):

@@ -93,7 +93,8 @@ class FP8CommState:
         module's names are used, so they match an unwrapped model's). Returns self."""
         inner = getattr(model, "module", model)
         self._names = {id(p): n for n, p in inner.named_parameters()}
-        self._specs.clear()   # bucket specs hold the names
+        self._specs.clear()   # bucket specs hold the names, and so do the plans built from them
+        self._plans.clear()
         return self
 
     @property
@@ -254,6 +255,24 @@ class FP8CommState:
             if len(self._plans) >= 4096:  # buckets rebuilt many times: forget the old buffers
                 self._plans.clear()
             self._plans[key] = (spec, plan, counter, baseline)
+        return plan
+
+    def prepare_bucket(self, params: List[torch.Tensor], grads, flat: torch.Tensor) -> BucketPlan:
+        """:meth:`prepare` for a DDP bucket holding ``params`` (``grads`` as in :meth:`bucket_spec`):
+        a bucket seen before (same parameters, buffer, dtype and mode) costs one dict lookup
+        (the hook's host time per bucket is what a step pays)."""
+        numel = flat.numel()
+        mode = self.mode_for(numel, flat.element_size())
+        key = ("ddp", tuple(map(id, params)), flat.data_ptr(), numel, flat.dtype, flat.get_device(), mode)
+        hit = self._plans.get(key)
+        if hit is not None:
+            self._stats.add_bucket(hit[2], hit[3])
+            return hit[1]
+        spec = self.bucket_spec(params, grads, flat)
+        plan = self.prepare(flat, spec)
+        entry = self._plans.get((id(spec),) + key[2:] + ("all_reduce",))
+        if entry is not None and entry[1] is plan:   # reusable: the same entry under the bucket's key
+            self._plans[key] = entry
         return plan
 
     def _retire(self, lkey: tuple) -> None:

@@ -310,3 +310,27 @@ def test_tune_on_request_agrees(world):
     assert all(x["same"] for x in v)
     assert v[0]["figures"].bf16_s_per_elem >= 0   # gloo sums bf16: its all-reduce was timed
     assert all(x["modes"] == v[0]["modes"] and x["figures"] == v[0]["figures"] for x in v)
+
+
+def test_prepare_bucket_reuses_the_plan_and_counts_every_bucket():
+    """A DDP bucket seen before gets the same plan object (one lookup), every call is counted in the
+    stats, and the plan changes with the mode (warm-up over) and after bind() or a layout retired."""
+    st = FP8CommState(FP8CommConfig(warmup_steps=1, min_compress_numel=0))
+    st._world = (2, 0, "gloo")
+    flat = torch.zeros(3000)
+    params = [torch.zeros(1000), torch.zeros(2000)]
+    grads = [flat[:1000], flat[1000:]]
+    p0 = st.prepare_bucket(params, grads, flat)
+    assert p0.mode == "none" and st.prepare_bucket(params, grads, flat) is p0
+    st.end_bucket(True)
+    p1 = st.prepare_bucket(params, grads, flat)
+    assert p1.mode == "two_shot" and p1.memo is not None and st.prepare_bucket(params, grads, flat) is p1
+    s = st.stats()
+    assert s["uncompressed_buckets"] == 2 and s["compressed_buckets"] == 2
+    assert s["bytes_baseline"] == 4 * 2 * 3000 * 4 // 2   # 4 buckets of a ring all-reduce at W = 2
+    st.bind(torch.nn.Linear(2, 2))
+    p2 = st.prepare_bucket(params, grads, flat)
+    assert p2 is not p1 and p2.layout is p1.layout   # same spec contents: the layout is kept
+    other = torch.zeros(3000)                        # the bucket's buffer moved (DDP rebuilt its buckets)
+    p3 = st.prepare_bucket(params, [other[:1000], other[1000:]], other)
+    assert p3 is not p2 and st.prepare_bucket(params, grads, other) is p3
