@@ -197,6 +197,12 @@ def time_codec(codec, config, numel: int, world_size: int, rank: int, device: to
         L.gather_out.copy_(L.gather_in[None].expand_as(L.gather_out))
         codec.decode(L, flat)
 
+    return _fastest(once, device, repeats)
+
+
+def _fastest(once, device: torch.device, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` timed calls of ``once()`` (the device synchronised
+    around each), after one untimed call (kernel compilation, first-touch allocation)."""
     once()
     times = []
     for _ in range(repeats):
@@ -216,15 +222,7 @@ def time_cast(numel: int, world_size: int, device: torch.device, repeats: int = 
     def once():
         flat.copy_(flat.to(torch.bfloat16).div_(world_size))
 
-    once()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        once()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return min(times)
+    return _fastest(once, device, repeats)
 
 
 def measure_local(state, device: torch.device, all_reduce_sizes: Sequence[int] = ALL_REDUCE_SIZES,

@@ -198,12 +198,13 @@ def chk_registration_measures_same_plan(rank, W):
                 stats=st.stats(), digest=digest([p.grad for p in d.parameters()]))
 
 
-def chk_forced_mixed_plan(rank, W):
-    """A plan that sends the large buckets FP8 and the small ones plain: both paths in one step,
-    the mean right (FP8 error bound on the whole model), every rank bit-identical."""
+def _forced_plan_run(rank, large_mode):
+    """Three steps of an auto-registered DDP model whose plan sends buckets of >= 20,000 elements
+    with ``large_mode`` and the rest plain; returns the largest relative error of a gradient
+    against the exact mean, the stats and a digest of the gradients."""
     ref_model = mlp(depth=8, width=256)
     d, st = _auto_ddp(copy.deepcopy(ref_model), bucket_cap_mb=0.1)
-    st.set_auto_plan(lambda n, e: "two_shot" if n >= 20_000 else "none")
+    st.set_auto_plan(lambda n, e: large_mode if n >= 20_000 else "none")
     errs = []
     for it in range(3):
         x, y = batch(rank, it)
@@ -214,22 +215,17 @@ def chk_forced_mixed_plan(rank, W):
     return dict(max_err=max(errs), stats=st.stats(), digest=digest([p.grad for p in d.parameters()]))
 
 
+def chk_forced_mixed_plan(rank, W):
+    """A plan that sends the large buckets FP8 and the small ones plain: both paths in one step,
+    the mean right (FP8 error bound on the whole model), every rank bit-identical."""
+    return _forced_plan_run(rank, "two_shot")
+
+
 def chk_forced_bf16_plan(rank, W):
     """A plan that sends the large buckets with the bf16 recipe, the small ones plain: the mean within
     bf16's error, every rank bit-identical, the bf16 buckets counted with half the bytes."""
     from fp8_comm_hook import collectives
-    ref_model = mlp(depth=8, width=256)
-    d, st = _auto_ddp(copy.deepcopy(ref_model), bucket_cap_mb=0.1)
-    st.set_auto_plan(lambda n, e: "bf16" if n >= 20_000 else "none")
-    errs = []
-    for it in range(3):
-        x, y = batch(rank, it)
-        ref = local_grads(ref_model, x, y)
-        local_grads(d, x, y)
-        for name, p in d.module.named_parameters():
-            errs.append(rel_err(p.grad, exact_mean(ref[name])))
-    return dict(max_err=max(errs), stats=st.stats(), digest=digest([p.grad for p in d.parameters()]),
-                bf16_sums=collectives.bf16_all_reduce_works(None, torch.device("cpu")))
+    return dict(_forced_plan_run(rank, "bf16"), bf16_sums=collectives.bf16_all_reduce_works(None, torch.device("cpu")))
 
 
 def chk_measure_combines_different_figures(rank, W):
