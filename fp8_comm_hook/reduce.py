@@ -124,7 +124,8 @@ def _settling(graphs, owner, flat: torch.Tensor, variant: tuple, algorithm, on_r
 def reduce_bucket(state: FP8CommState, flat: torch.Tensor, plan, last: bool = True) -> torch.futures.Future:
     """The DDP hook's form of :func:`reduce_flat`: average the bucket ``flat`` with ``plan`` (its
     :class:`~fp8_comm_hook.state.BucketPlan`, from :meth:`FP8CommState.prepare_bucket` or
-    :meth:`FP8CommState.prepare`) and return a Future of it; ``last``: this is the step's last bucket. On CUDA with NCCL (see :func:`_graphable`) the
+    :meth:`FP8CommState.prepare`) and return a Future of it; ``last``: this is the step's last
+    bucket. On CUDA with NCCL (see :func:`_graphable`) the
     bucket's whole all-reduce, FP8 or not, is replayed as a captured CUDA graph on a communication
     stream, and the last bucket makes the compute stream wait for that stream (before DDP reads
     the buckets); where the state has a communication worker (gloo, round-to-nearest), an FP8

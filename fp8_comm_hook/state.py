@@ -219,29 +219,32 @@ class FP8CommState:
         """The layouts in use (one per bucket, ``all_reduce`` shape or FSDP flat gradient)."""
         return list(self._layouts.values())
 
-    def prepare(self, flat: torch.Tensor, spec: LayoutSpec, collective: str = "all_reduce") -> BucketPlan:
+    def prepare(self, flat: torch.Tensor, spec: LayoutSpec, collective: str = "all_reduce",
+                reuse: bool = False) -> BucketPlan:
         """Everything one bucket needs, in one call: the wire mode for ``flat`` at this step, the
         bucket counted in the stats (against a ring ``collective``, "all_reduce" or
         "reduce_scatter", in ``flat``'s dtype), and for an FP8 mode the layout of ``spec`` (a pooled
         one bound to the buffers this algorithm uses), the codec, the residual and the generator.
 
-        The plan of a bucket seen before (the same ``spec`` object, buffer, dtype and mode) is the
-        same object, with a ``memo`` dict for the caller, until a layout is adopted or retired;
-        pooled layouts and stochastic rounding (a generator reseeded per bucket) get a new plan each
-        call."""
+        With ``reuse`` (a buffer that lives across steps, as DDP's buckets do), the plan of a bucket
+        seen before (the same ``spec`` object, buffer, dtype and mode) is the same object, with a
+        ``memo`` dict for the caller, until a layout is adopted or retired; pooled layouts and
+        stochastic rounding (a generator reseeded per bucket) get a new plan each call, as every
+        call without ``reuse`` does."""
         numel, esize = flat.numel(), flat.element_size()
         mode = self.mode_for(numel, esize)
-        key = (id(spec), flat.data_ptr(), numel, flat.dtype, flat.get_device(), mode, collective)
-        hit = self._plans.get(key)
-        if hit is not None and hit[0] is spec:
-            self._stats.add_bucket(hit[2], hit[3])
-            return hit[1]
+        if reuse:
+            key = (id(spec), flat.data_ptr(), numel, flat.dtype, flat.get_device(), mode, collective)
+            hit = self._plans.get(key)
+            if hit is not None and hit[0] is spec:
+                self._stats.add_bucket(hit[2], hit[3])
+                return hit[1]
         if mode == "bf16" and (collective != "all_reduce" or esize <= 2):
             mode = "none"   # the bf16 recipe is an all-reduce of a wider dtype
         baseline = ring_bytes(collective, numel * esize, self.world_size if spec.world_size is None else spec.world_size)
         counter = _BUCKET_COUNTER.get(mode, "compressed_buckets")
         self._stats.add_bucket(counter, baseline)
-        reusable = not spec.pooled and not self.config.stochastic_rounding
+        reusable = reuse and not spec.pooled and not self.config.stochastic_rounding
         if mode == "none" or mode == "bf16":
             plan = BucketPlan(mode, memo={} if reusable else None)
         else:
@@ -269,7 +272,7 @@ class FP8CommState:
             self._stats.add_bucket(hit[2], hit[3])
             return hit[1]
         spec = self.bucket_spec(params, grads, flat)
-        plan = self.prepare(flat, spec)
+        plan = self.prepare(flat, spec, reuse=True)
         entry = self._plans.get((id(spec),) + key[2:] + ("all_reduce",))
         if entry is not None and entry[1] is plan:   # reusable: the same entry under the bucket's key
             self._plans[key] = entry
