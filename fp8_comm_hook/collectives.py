@@ -121,9 +121,9 @@ def _exchange_rows(recv: torch.Tensor, send_row, group) -> None:
         w.wait()
 
 
-def _in_pieces(t: torch.Tensor, group) -> bool:
-    """Whether an exchange of ``t`` goes as point-to-point pieces: any tensor on gloo (CUDA ones
-    staged through pinned host memory, see :func:`_all_to_all_rows`)."""
+def _in_pieces(group) -> bool:
+    """Whether exchanges on ``group`` go as point-to-point pieces: on gloo (CUDA buffers staged
+    through pinned host memory, see :func:`_exchange_layout_rows`)."""
     return dist.get_backend(group) == "gloo"
 
 
@@ -133,39 +133,39 @@ def _global_rank(group, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
+def _exchange_layout_rows(layout: BucketLayout, out_name: str, in_name: str, row_for, group) -> None:
+    """gloo: :func:`_exchange_rows` between the layout's packed buffers ``out_name`` (received rows)
+    and ``in_name`` (``row_for(buffer, dst)`` is the row for rank ``dst``). CUDA buffers go through
+    the layout's pinned host mirrors: a blocking copy out (after the stream's pending work, the
+    encode), the pieces, a copy back."""
+    out, inp = getattr(layout, out_name), getattr(layout, in_name)
+    if out.is_cuda:
+        ho, hi = layout.host_mirror(out_name), layout.host_mirror(in_name)
+        hi.copy_(inp)
+        _exchange_rows(ho, lambda dst: row_for(hi, dst), group)
+        out.copy_(ho)
+    else:
+        _exchange_rows(out, lambda dst: row_for(inp, dst), group)
+
+
 def _all_to_all_rows(layout: BucketLayout, group) -> None:
     """``layout.recv[r]`` = rank r's ``send`` row for this rank: one ``all_to_all_single``, or on
-    gloo :func:`_exchange_rows` (pieces). CUDA buffers go through the layout's pinned host mirrors:
-    a blocking copy out (after the stream's pending work, the encode), the pieces, a copy back.
-    Returns when the exchange is complete."""
-    recv, send = layout.recv, layout.send
-    if not _in_pieces(recv, group):
-        dist.all_to_all_single(recv, send, group=group, async_op=True).wait()
-    elif recv.is_cuda:
-        hs, hr = layout.host_mirror("send"), layout.host_mirror("recv")
-        hs.copy_(send)
-        _exchange_rows(hr, lambda dst: hs[dst], group)
-        recv.copy_(hr)
+    gloo pieces (:func:`_exchange_layout_rows`). Returns when the exchange is complete."""
+    if _in_pieces(group):
+        _exchange_layout_rows(layout, "recv", "send", lambda send, dst: send[dst], group)
     else:
-        _exchange_rows(recv, lambda dst: send[dst], group)
+        dist.all_to_all_single(layout.recv, layout.send, group=group, async_op=True).wait()
 
 
 def _all_gather_rows(layout: BucketLayout, group):
     """``layout.gather_out[r]`` = rank r's ``gather_in`` (uint8): an async all-gather (returns its
-    work), or on gloo :func:`_exchange_rows` (pieces, staged through pinned host memory for CUDA
-    buffers; complete on return, returns a completed work)."""
-    out, inp = layout.gather_out, layout.gather_in
-    if not _in_pieces(out, group):
-        return all_gather_into(out.view(-1), inp, group=group, async_op=True)
-    if out.is_cuda:
-        hi, ho = layout.host_mirror("gather_in"), layout.host_mirror("gather_out")
-        hi.copy_(inp)
-        _exchange_rows(ho, lambda dst: hi, group)
-        out.copy_(ho)
-    else:
-        _exchange_rows(out, lambda dst: inp, group)
+    work), or on gloo pieces (:func:`_exchange_layout_rows`; complete on return, returns a
+    completed work)."""
+    if not _in_pieces(group):
+        return all_gather_into(layout.gather_out.view(-1), layout.gather_in, group=group, async_op=True)
+    _exchange_layout_rows(layout, "gather_out", "gather_in", lambda inp, dst: inp, group)
     fut = torch.futures.Future()
-    fut.set_result([out])
+    fut.set_result([layout.gather_out])
     return torch._C._distributed_c10d._create_work_from_future(fut)
 
 

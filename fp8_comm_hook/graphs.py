@@ -118,10 +118,11 @@ class BucketGraphs:
         ``after_replay()`` after every replay, on the communication stream (to queue copies the host
         reads later). Returns a completed Future holding ``flat``, whose values are ready on the
         compute stream only after :meth:`join` (the step's last bucket calls it)."""
+        replay = self.replayer(layout, flat, variant, on_replay, after_replay)
+        if replay is not None:
+            return replay()
         device = flat.device
         key = (flat.data_ptr(), flat.numel(), variant)
-        per_layout = self._graphs.get(layout)
-        graph = per_layout.get(key) if per_layout is not None else None
         # The hook's host cost is the point here, so streams are switched with the raw calls that
         # torch.cuda.stream() makes, without its per-call checks.
         sid, didx, dtype = torch._C._cuda_getCurrentStream(device.index)
@@ -138,15 +139,10 @@ class BucketGraphs:
         torch._C._cuda_setStream(stream_id=comm.stream_id, device_index=comm.device_index,
                                  device_type=comm.device_type)
         try:
-            if graph is not None:
-                graph.replay()
-                on_replay()
-                replayed = True
-            else:
-                replayed = self._first_runs(layout, key, comm, algorithm, prepare_capture)
-                # An eager run allocates on the communication stream; DDP's buffer must not be
-                # handed to the compute stream's allocations while that may still read it.
-                flat.record_stream(comm)
+            replayed = self._first_runs(layout, key, comm, algorithm, prepare_capture)
+            # An eager run allocates on the communication stream; DDP's buffer must not be handed
+            # to the compute stream's allocations while that may still read it.
+            flat.record_stream(comm)
             if replayed and after_replay is not None:
                 after_replay()
         finally:
@@ -155,8 +151,8 @@ class BucketGraphs:
         fut.set_result(flat)
         return fut
 
-    def replayer(self, layout, flat: torch.Tensor, variant: tuple,
-                 on_replay: Callable[[], None]) -> Optional[Callable[[], torch.futures.Future]]:
+    def replayer(self, layout, flat: torch.Tensor, variant: tuple, on_replay: Callable[[], None],
+                 after_replay: Optional[Callable[[], None]] = None) -> Optional[Callable[[], torch.futures.Future]]:
         """Once the graph of (``layout``, ``flat``, ``variant``) is captured: a callable doing what
         :meth:`run` does for it, with every lookup done here, once (the graph, the streams, the
         event); None before. The caller keeps it as long as it keeps ``layout``."""
@@ -180,6 +176,8 @@ class BucketGraphs:
             set_stream(stream_id=comm_id, device_index=comm_idx, device_type=comm_type)
             try:
                 replay()
+                if after_replay is not None:
+                    after_replay()
             finally:
                 set_stream(stream_id=sid, device_index=didx, device_type=dtype)
             on_replay()

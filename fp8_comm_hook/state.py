@@ -59,7 +59,7 @@ class FP8CommState:
 
     __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
                  "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
-                 "_world", "_graphs", "_worker", "_side_group", "_specs", "_auto", "_plans", "__weakref__")
+                 "_world", "_graphs", "_worker", "_side_group", "_auto", "_plans", "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -81,9 +81,8 @@ class FP8CommState:
         self._graphs: Optional[BucketGraphs] = None  # captured buckets (CUDA + NCCL), see bucket_graphs()
         self._worker: Optional[CommWorker] = None    # gloo: the thread that runs FP8 buckets, see use_worker()
         self._side_group = None                      # ... and the process group it issues them on
-        self._specs: Dict[tuple, LayoutSpec] = {}    # (parameter keys, buffer address, numel) -> DDP bucket spec
         self._auto = None                            # algorithm="auto": (numel, element size) -> mode, see set_auto_plan
-        self._plans: Dict[tuple, tuple] = {}         # prepare()'s reusable plans, see prepare()
+        self._plans: Dict[tuple, tuple] = {}         # DDP buckets' reusable plans, see prepare_bucket()
         self.layouts_built = 0                      # how many bucket layouts were derived (rebuilds add)
         self.loss_scale: Optional[float] = None     # the loss scale the residuals are in (set_loss_scale)
 
@@ -93,8 +92,7 @@ class FP8CommState:
         module's names are used, so they match an unwrapped model's). Returns self."""
         inner = getattr(model, "module", model)
         self._names = {id(p): n for n, p in inner.named_parameters()}
-        self._specs.clear()   # bucket specs hold the names, and so do the plans built from them
-        self._plans.clear()
+        self._plans.clear()   # plans hold bucket specs, which hold the names
         return self
 
     @property
@@ -177,20 +175,13 @@ class FP8CommState:
     def bucket_spec(self, params: List[torch.Tensor], grads, flat: torch.Tensor) -> LayoutSpec:
         """The :class:`LayoutSpec` of a DDP bucket holding ``params``, whose gradients are views of
         ``flat`` (keyed by parameter name after :meth:`bind`). ``grads`` is the list of gradients or a
-        callable returning it (``bucket.gradients``): it is called only the first time these
-        parameters are seen in a buffer at this address and size (their offsets are then fixed)."""
-        key = (tuple(map(id, params)), flat.data_ptr(), flat.numel())   # names are keyed by id too (bind)
-        spec = self._specs.get(key)
-        if spec is None:
-            names = tuple(self._key(p) for p in params)
-            if callable(grads):
-                grads = grads()
-            esize, base = flat.element_size(), flat.data_ptr()
-            spec = LayoutSpec(names, tuple(g.numel() for g in grads), tuple((g.data_ptr() - base) // esize for g in grads))
-            if len(self._specs) >= 4096:  # buckets rebuilt many times: forget the old buffers
-                self._specs.clear()
-            self._specs[key] = spec
-        return spec
+        callable returning it (``bucket.gradients``, called here: :meth:`prepare_bucket` asks only
+        for buckets it has not seen)."""
+        if callable(grads):
+            grads = grads()
+        esize, base = flat.element_size(), flat.data_ptr()
+        return LayoutSpec(tuple(self._key(p) for p in params), tuple(g.numel() for g in grads),
+                          tuple((g.data_ptr() - base) // esize for g in grads))
 
     def layout(self, spec: LayoutSpec, flat: torch.Tensor) -> BucketLayout:
         """The cached layout of ``spec`` for ``flat`` (its numel, dtype and device), built on first
@@ -219,32 +210,41 @@ class FP8CommState:
         """The layouts in use (one per bucket, ``all_reduce`` shape or FSDP flat gradient)."""
         return list(self._layouts.values())
 
-    def prepare(self, flat: torch.Tensor, spec: LayoutSpec, collective: str = "all_reduce",
-                reuse: bool = False) -> BucketPlan:
+    def prepare(self, flat: torch.Tensor, spec: LayoutSpec, collective: str = "all_reduce") -> BucketPlan:
         """Everything one bucket needs, in one call: the wire mode for ``flat`` at this step, the
         bucket counted in the stats (against a ring ``collective``, "all_reduce" or
         "reduce_scatter", in ``flat``'s dtype), and for an FP8 mode the layout of ``spec`` (a pooled
         one bound to the buffers this algorithm uses), the codec, the residual and the generator.
+        A new plan each call (``memo`` None); DDP buckets, whose buffers live across steps, get
+        reusable ones from :meth:`prepare_bucket`."""
+        return self._build_plan(flat, spec, collective, self.mode_for(flat.numel(), flat.element_size()), None)
 
-        With ``reuse`` (a buffer that lives across steps, as DDP's buckets do), the plan of a bucket
-        seen before (the same ``spec`` object, buffer, dtype and mode) is the same object, with a
-        ``memo`` dict for the caller, until a layout is adopted or retired; pooled layouts and
-        stochastic rounding (a generator reseeded per bucket) get a new plan each call, as every
-        call without ``reuse`` does."""
+    def prepare_bucket(self, params: List[torch.Tensor], grads, flat: torch.Tensor) -> BucketPlan:
+        """:meth:`prepare` for a DDP bucket holding ``params`` (``grads`` as in :meth:`bucket_spec`).
+        The plan of a bucket seen before (same parameters, buffer, dtype and mode) is the same
+        object, found with one dict lookup, with a ``memo`` dict for the caller, until a layout is
+        adopted or retired (stochastic rounding, whose generator is reseeded per bucket, gets a new
+        plan each call): the hook's host time per bucket is what a step pays."""
+        numel = flat.numel()
+        mode = self.mode_for(numel, flat.element_size())
+        key = (tuple(map(id, params)), flat.data_ptr(), numel, flat.dtype, flat.get_device(), mode)
+        hit = self._plans.get(key)
+        if hit is not None:
+            self._stats.add_bucket(hit[1], hit[2])
+            return hit[0]
+        return self._build_plan(flat, self.bucket_spec(params, grads, flat), "all_reduce", mode, key)
+
+    def _build_plan(self, flat: torch.Tensor, spec: LayoutSpec, collective: str, mode: str,
+                    key: Optional[tuple]) -> BucketPlan:
+        """Count the bucket and build its plan; where ``key`` is given and the plan can be reused
+        (not pooled, no stochastic rounding), cache it under ``key``."""
         numel, esize = flat.numel(), flat.element_size()
-        mode = self.mode_for(numel, esize)
-        if reuse:
-            key = (id(spec), flat.data_ptr(), numel, flat.dtype, flat.get_device(), mode, collective)
-            hit = self._plans.get(key)
-            if hit is not None and hit[0] is spec:
-                self._stats.add_bucket(hit[2], hit[3])
-                return hit[1]
         if mode == "bf16" and (collective != "all_reduce" or esize <= 2):
             mode = "none"   # the bf16 recipe is an all-reduce of a wider dtype
         baseline = ring_bytes(collective, numel * esize, self.world_size if spec.world_size is None else spec.world_size)
         counter = _BUCKET_COUNTER.get(mode, "compressed_buckets")
         self._stats.add_bucket(counter, baseline)
-        reusable = reuse and not spec.pooled and not self.config.stochastic_rounding
+        reusable = key is not None and not spec.pooled and not self.config.stochastic_rounding
         if mode == "none" or mode == "bf16":
             plan = BucketPlan(mode, memo={} if reusable else None)
         else:
@@ -257,25 +257,7 @@ class FP8CommState:
         if reusable:
             if len(self._plans) >= 4096:  # buckets rebuilt many times: forget the old buffers
                 self._plans.clear()
-            self._plans[key] = (spec, plan, counter, baseline)
-        return plan
-
-    def prepare_bucket(self, params: List[torch.Tensor], grads, flat: torch.Tensor) -> BucketPlan:
-        """:meth:`prepare` for a DDP bucket holding ``params`` (``grads`` as in :meth:`bucket_spec`):
-        a bucket seen before (same parameters, buffer, dtype and mode) costs one dict lookup
-        (the hook's host time per bucket is what a step pays)."""
-        numel = flat.numel()
-        mode = self.mode_for(numel, flat.element_size())
-        key = ("ddp", tuple(map(id, params)), flat.data_ptr(), numel, flat.dtype, flat.get_device(), mode)
-        hit = self._plans.get(key)
-        if hit is not None:
-            self._stats.add_bucket(hit[2], hit[3])
-            return hit[1]
-        spec = self.bucket_spec(params, grads, flat)
-        plan = self.prepare(flat, spec, reuse=True)
-        entry = self._plans.get((id(spec),) + key[2:] + ("all_reduce",))
-        if entry is not None and entry[1] is plan:   # reusable: the same entry under the bucket's key
-            self._plans[key] = entry
+            self._plans[key] = (plan, counter, baseline)
         return plan
 
     def _retire(self, lkey: tuple) -> None:
