@@ -103,7 +103,8 @@ def _child(check):  # pragma: no cover - runs in the subprocess
             same_bytes(out, x.to(fmt.dtype).view(torch.uint8), f"soft cast {name}")
 
     elif check == "encode":
-        buckets = [[1], [127], [300, 1, 130, 77], [2000, 5, 129]]
+        # [256, 48] and [256, 40]: contiguous buckets whose length is a multiple of 16 and of 8 (SRC_AL)
+        buckets = [[1], [127], [300, 1, 130, 77], [2000, 5, 129], [256, 48], [256, 40]]
         for scaling in SCALINGS:
             for name in FMTS:
                 fmt = get_format(name)
@@ -138,7 +139,7 @@ def _child(check):  # pragma: no cover - runs in the subprocess
         for scaling in SCALINGS:
             for name in FMTS:
                 fmt = get_format(name)
-                for W in (2, 3):
+                for W in (2, 3, 5):  # 5: one unrolled round of the received sum plus a masked tail
                     numels = [700, 3, 129, 64]
                     rank = W - 1
                     La, n = layout(numels, W, rank, scaling)
