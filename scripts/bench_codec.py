@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Codec throughput on one GPU, per backend x scaling mode x op, against the copy ceiling.
 
-Ops (the three stages of two_shot, on a bucket of several parameters with odd sizes, world W):
+Ops (the three stages of two_shot, on a bucket of several parameters, world W; ``--buckets``: "aligned"
+parameter sizes, multiples of the block size as in real models, read as one contiguous run, and
+"odd" sizes, read through the segment table at unaligned addresses, the worst case):
   quantize              = codec.encode(flat, layout)       (the bucket -> packed send buffer)
   dequant_sum_requant   = codec.reduce_shard(layout)       (W received chunks -> fp32 mean -> packed shard)
   dequantize            = codec.decode(layout, flat)       (W gathered shards -> the bucket)
@@ -60,9 +62,12 @@ def parse_size(text: str) -> int:
     return int(float(num) * mult)
 
 
-def split_bucket(numel: int):
-    """Parameter sizes of a bucket of ``numel`` elements: a few large odd-sized parameters and
-    small ones, as in a real model's bucket."""
+def split_bucket(numel: int, aligned: bool = False, block_size: int = 128):
+    """Parameter sizes of a bucket of ``numel`` elements: a few large parameters and small ones, as
+    in a real model's bucket. Odd sizes by default (every parameter but the first starts at an
+    unaligned address and ends in a padded block: the segment-table path, the worst case); with
+    ``aligned`` every size is a multiple of ``block_size`` (as the matrices and vectors of real
+    models are), so the bucket is one contiguous run of blocks (the codec's contiguous path)."""
     if numel < 64:
         return [numel]
     parts = []
@@ -74,7 +79,10 @@ def split_bucket(numel: int):
         parts.append(p)
         left -= p
     parts.append(left)
-    return [p for p in parts if p > 0]
+    parts = [p for p in parts if p > 0]
+    if aligned:
+        parts = [max(block_size, (p // block_size) * block_size) for p in parts]
+    return parts
 
 
 # ---------------------------------------------------------------------------------------- timing
@@ -169,13 +177,14 @@ def make_codec(backend: str, fmt_name: str):
     return TECodec(fmt)
 
 
-def make_set(numel: int, dtype, scaling: str, world: int, block_size: int):
-    """One bucket (flat tensor) and its layout, with send/recv/gather buffers holding real bytes."""
+def make_set(numel: int, dtype, scaling: str, world: int, block_size: int, bucket: str = "odd"):
+    """One bucket (flat tensor) and its layout, with send/recv/gather buffers holding real bytes;
+    ``bucket``: "odd" or "aligned" parameter sizes (:func:`split_bucket`)."""
     import torch
     from fp8_comm_hook.codec.torch_codec import TorchCodec
     from fp8_comm_hook.formats import get_format
     from fp8_comm_hook.layout import BucketLayout
-    numels = split_bucket(numel)
+    numels = split_bucket(numel, aligned=bucket == "aligned", block_size=block_size)
     offs, o = [], 0
     for n in numels:
         offs.append(o)
@@ -214,7 +223,7 @@ def bench_codecs(args, copy_gbps: float, rows: list) -> None:
     backends = [b for b in available_backends() if b in args.backends]
     print(f"backends: {backends} (requested {args.backends})", flush=True)
     l2 = l2_bytes()
-    for numel in args.sizes:
+    for numel, bucket in [(n, b) for n in args.sizes for b in args.buckets]:
         for dname in args.dtypes:
             dtype = getattr(torch, dname)
             esize = torch.empty(0, dtype=dtype).element_size()
@@ -222,11 +231,11 @@ def bench_codecs(args, copy_gbps: float, rows: list) -> None:
                 for fmt_name in args.formats:
                     target = args.rotate_factor * l2
                     try:
-                        sets = [make_set(numel, dtype, scaling, args.world, args.block_size)]
+                        sets = [make_set(numel, dtype, scaling, args.world, args.block_size, bucket)]
                         small = min(op_bytes(op, sets[0][1], numel, esize) for op in args.ops)
                         want = 1 if small >= target else min(args.max_rotate, math.ceil(target / small))
                         while len(sets) < want:
-                            sets.append(make_set(numel, dtype, scaling, args.world, args.block_size))
+                            sets.append(make_set(numel, dtype, scaling, args.world, args.block_size, bucket))
                     except torch.cuda.OutOfMemoryError as e:
                         print(f"skip numel={numel} {dname} {scaling}: out of memory ({e})", flush=True)
                         sets = []
@@ -254,7 +263,7 @@ def bench_codecs(args, copy_gbps: float, rows: list) -> None:
                                     print(f"FAILED {backend} {op} {scaling} {dname} {numel}: {e2!r}", flush=True)
                                     continue
                             row = dict(backend=backend, op=op, scaling=scaling, fp8_format=fmt_name, dtype=dname,
-                                       numel=numel, world=args.world, us=ms * 1e3,
+                                       numel=numel, bucket=bucket, world=args.world, us=ms * 1e3,
                                        gbps=nbytes / (ms * 1e-3) / 1e9, copy_gbps=copy_gbps, timing=timing)
                             rows.append(row)
                             print(fmt_row(row) + (f" (rotating {k})" if k > 1 else ""), flush=True)
@@ -336,14 +345,16 @@ def fmt_row(r: dict) -> str:
     """One row as a table line."""
     g = "" if r.get("gbps") is None else f"{r['gbps']:9.1f} GB/s {100 * r['gbps'] / r['copy_gbps']:5.1f}% of copy"
     return (f"{r['backend']:>6} {r['op']:>20} {r['scaling']:>6} {r['fp8_format']} {r['dtype']:>8} "
-            f"{r['numel']:>11,d} W={r['world']} {r['us']:11.1f} us {g}")
+            f"{r['numel']:>11,d} {r.get('bucket', 'odd'):>7} W={r['world']} {r['us']:11.1f} us {g}")
 
 
 def print_table(rows) -> None:
     """All rows, sorted by op, dtype, size, scaling and backend."""
     print("\n" + "-" * 110)
-    print(f"{'backend':>6} {'op':>20} {'scale':>6} fmt  {'dtype':>8} {'numel':>11} world {'time':>11}    effective")
-    for r in sorted(rows, key=lambda r: (r["op"], r["dtype"], r["numel"], r["scaling"], r["backend"])):
+    print(f"{'backend':>6} {'op':>20} {'scale':>6} fmt  {'dtype':>8} {'numel':>11} {'bucket':>7} world "
+          f"{'time':>11}    effective")
+    for r in sorted(rows, key=lambda r: (r["op"], r["dtype"], r["numel"], r.get("bucket", "odd"), r["scaling"],
+                                         r["backend"])):
         print(fmt_row(r))
     print("-" * 110)
 
@@ -367,6 +378,7 @@ def plot(rows, path: str) -> bool:
     fig, axes = plt.subplots(len(ops), len(dtypes), figsize=(6.5 * len(dtypes), 3.8 * len(ops)), squeeze=False)
     colors = {"torch": "tab:blue", "triton": "tab:red", "te": "tab:green"}
     styles = {"block": "-", "tensor": "--", "bucket": ":"}
+    markers = {"odd": "o", "aligned": "s"}
     copy = max(r["copy_gbps"] for r in data)
     for i, op in enumerate(ops):
         for j, dt in enumerate(dtypes):
@@ -374,10 +386,13 @@ def plot(rows, path: str) -> bool:
             sel = [r for r in data if r["op"] == op and r["dtype"] == dt]
             for b in sorted({r["backend"] for r in sel}):
                 for s in SCALINGS:
-                    pts = sorted((r["numel"], r["gbps"]) for r in sel if r["backend"] == b and r["scaling"] == s)
-                    if pts:
-                        ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[s], marker="o", ms=3,
-                                color=colors.get(b, "black"), label=f"{b} {s}")
+                    for shape in markers:
+                        pts = sorted((r["numel"], r["gbps"]) for r in sel if r["backend"] == b and r["scaling"] == s
+                                     and r.get("bucket", "odd") == shape)
+                        if pts:
+                            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles[s], marker=markers[shape],
+                                    ms=3, color=colors.get(b, "black"), label=f"{b} {s} {shape}",
+                                    alpha=1.0 if shape == "aligned" else 0.55)
             ax.axhline(copy, color="gray", ls="-.", lw=1, label=f"copy ceiling {copy:.0f} GB/s")
             ax.set_xscale("log")
             ax.set_title(f"{op} ({dt} bucket)")
@@ -404,6 +419,9 @@ def main(argv=None):
     p.add_argument("--ops", default=",".join(OPS))
     p.add_argument("--formats", default="e4m3", help="FP8 formats (e4m3, e5m2)")
     p.add_argument("--world", type=int, default=8, help="world size of the layouts (W chunks)")
+    p.add_argument("--buckets", default="aligned,odd",
+                   help="bucket shapes: aligned (parameter sizes multiples of the block size: one contiguous run, "
+                        "as in real models), odd (odd sizes: the segment-table path, the worst case)")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--budget", type=float, default=None, help="seconds of timed calls per measurement")
     p.add_argument("--rotate-factor", type=float, default=4.0,
@@ -437,6 +455,10 @@ def main(argv=None):
     args.scalings = [s.strip() for s in args.scalings.split(",")]
     args.ops = [o.strip() for o in args.ops.split(",")]
     args.formats = [f.strip() for f in args.formats.split(",")]
+    args.buckets = [b.strip() for b in args.buckets.split(",")]
+    bad = [b for b in args.buckets if b not in ("aligned", "odd")]
+    if bad:
+        raise ValueError(f"--buckets: {bad} not allowed; allowed values: aligned, odd")
     print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}", flush=True)
     try:
         import triton
