@@ -67,7 +67,9 @@ class _GraphOwner:
 def _graph_runner(state: FP8CommState, plan, flat: torch.Tensor):
     """``run()`` for a graphable bucket: replays (or, the first times, runs and captures) the bucket's
     synchronous all-reduce on the communication stream and returns DDP's Future. Built once per
-    plan and kept in the plan's ``memo``."""
+    plan and kept in the plan's ``memo`` under ``"graph_run"`` (which a bucket whose graph variant
+    never changes replaces with the graphs' direct replayer once it is captured)."""
+    memo = plan.memo
     group, rec, graphs = state.group, state.stats_recorder, state.bucket_graphs()
     L, codec, res, cfg, mode = plan.layout, plan.codec, plan.residual, state.config, plan.mode
     prepare_capture = lambda: rec.device_counters(flat.device)  # noqa: E731
@@ -80,7 +82,7 @@ def _graph_runner(state: FP8CommState, plan, flat: torch.Tensor):
         else:
             algorithm = lambda: collectives.cast_all_reduce(flat, group, stats=rec)  # noqa: E731
         on_replay = lambda: rec.add("bytes_sent", nbytes)  # noqa: E731
-        return _settling(graphs, owner, flat, (mode,), algorithm, on_replay, prepare_capture)
+        return _settling(graphs, memo, owner, flat, (mode,), algorithm, on_replay, prepare_capture)
     W = L.world_size
     if mode == "nccl_fp8":
         nbytes = fp8_sum_bytes(L.padded_numel, L.groups.num_groups, W)
@@ -101,21 +103,19 @@ def _graph_runner(state: FP8CommState, plan, flat: torch.Tensor):
     nbytes = two_shot_bytes(L.chunk_bytes, W)
     on_replay = lambda: rec.add("bytes_sent", nbytes)  # noqa: E731
     algorithm = lambda: collectives.two_shot(flat, L, codec, group, stats=rec, residual=res)  # noqa: E731
-    return _settling(graphs, L, flat, (mode, res is not None), algorithm, on_replay, prepare_capture)
+    return _settling(graphs, memo, L, flat, (mode, res is not None), algorithm, on_replay, prepare_capture)
 
 
-def _settling(graphs, owner, flat: torch.Tensor, variant: tuple, algorithm, on_replay, prepare_capture):
+def _settling(graphs, memo: dict, owner, flat: torch.Tensor, variant: tuple, algorithm, on_replay, prepare_capture):
     """A runner for a bucket whose graph variant never changes: :meth:`BucketGraphs.run` until the
-    graph is captured, then the graphs' direct replayer (no lookups per call)."""
-    fast = []
+    graph is captured; then it puts the graphs' direct replayer (no lookups per call) in its place
+    in ``memo``, so that later calls go straight to the replay."""
 
     def run():
-        if fast:
-            return fast[0]()
         fut = graphs.run(owner, flat, variant, algorithm, on_replay, prepare_capture)
         replay = graphs.replayer(owner, flat, variant, on_replay)
         if replay is not None:
-            fast.append(replay)
+            memo["graph_run"] = replay
         return fut
 
     return run
