@@ -42,6 +42,13 @@ log = logging.getLogger("fp8_comm_hook")
 
 #: Sizes (fp32 elements) of the timed all-reduces and of the timed codec runs.
 ALL_REDUCE_SIZES = (4096, 1 << 20)
+#: Where the larger timed all-reduce finished within ``FAST_LINK_S`` on every rank, its cost per byte
+#: is measured again at ``LARGE_ALL_REDUCE`` elements (16 MB of fp32): on a fast link a 4 MB
+#: all-reduce still rides on socket buffers and scheduling luck (over an unshaped veth between two
+#: CPU ranks, 2.1 to 5.3 ms from run to run, a cost per byte half of what 25 MB buckets pay), and
+#: the model then sent 12.6M-element fp32 buckets plain where the bf16 recipe was faster.
+LARGE_ALL_REDUCE = 1 << 22
+FAST_LINK_S = 0.02
 CODEC_SIZES = (1 << 16, 1 << 20)
 REPEATS = 5
 
@@ -225,15 +232,25 @@ def time_cast(numel: int, world_size: int, device: torch.device, repeats: int = 
     return _fastest(once, device, repeats)
 
 
+def slowest_rank_s(seconds: float, group, device: torch.device) -> float:
+    """The largest of every rank's ``seconds`` (one MAX all-reduce: a collective)."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    return float(collectives.all_reduce_max(t, group)[0])
+
+
 def measure_local(state, device: torch.device, all_reduce_sizes: Sequence[int] = ALL_REDUCE_SIZES,
                   codec_sizes: Sequence[int] = CODEC_SIZES, repeats: int = REPEATS) -> Figures:
     """This rank's figures: fp32 all-reduces of two sizes on the state's group (a collective: every
-    rank of the group must call it at the same point), bf16 all-reduces of the same sizes where the
+    rank of the group must call it at the same point; the larger becomes ``LARGE_ALL_REDUCE`` on a
+    link where it took under ``FAST_LINK_S``), bf16 all-reduces of the same sizes where the
     group sums bf16 (else ``bf16_s_per_elem`` is -1), the codec and the bf16 recipe's casts at two
     sizes on ``device``."""
     (n1, n2), (c1, c2) = sorted(all_reduce_sizes), sorted(codec_sizes)
     t1 = collectives.time_all_reduce(n1, state.group, device, repeats)
     t2 = collectives.time_all_reduce(n2, state.group, device, repeats)
+    if n2 < LARGE_ALL_REDUCE and slowest_rank_s(t2, state.group, device) < FAST_LINK_S:
+        n2 = LARGE_ALL_REDUCE   # every rank takes this branch: it decides on the same (slowest) time
+        t2 = collectives.time_all_reduce(n2, state.group, device, repeats)
     latency, per_byte = fit_line(4 * n1, t1, 4 * n2, t2)
     if per_byte == 0.0:
         # The larger all-reduce was not measurably slower than the smaller one (noise on a shared

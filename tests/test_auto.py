@@ -84,6 +84,46 @@ def test_bf16_is_chosen_where_it_is_predicted_fastest():
     assert [b["predicted_bf16_ms"] is None for b in rep["buckets"]] == [True, False]  # sorted: (n, 2), (n, 4)
 
 
+def _fake_measurements(monkeypatch, times, slowest=lambda s: s, codec_per_elem=1e-9):
+    """measure_local's timers replaced: all-reduce times from ``times[(numel, dtype)]``, the codec
+    100 us + ``codec_per_elem`` s/element, the casts 0.1 ns/element; ``slowest`` stands for the MAX
+    over ranks."""
+    from fp8_comm_hook import collectives
+    monkeypatch.setattr(collectives, "time_all_reduce",
+                        lambda n, group, device, repeats, dtype=torch.float32: times[(n, dtype)])
+    monkeypatch.setattr(collectives, "bf16_all_reduce_works", lambda group, device: True)
+    monkeypatch.setattr(autotune, "slowest_rank_s", lambda s, group, device: slowest(s))
+    monkeypatch.setattr(autotune, "time_codec", lambda codec, cfg, n, W, r, dev, rep: 1e-4 + codec_per_elem * n)
+    monkeypatch.setattr(autotune, "time_cast", lambda n, W, dev, rep: 1e-10 * n)
+
+
+def test_fast_link_is_measured_again_at_the_large_size(monkeypatch):
+    """A 1M-element all-reduce under FAST_LINK_S on the slowest rank: the cost per byte comes from
+    4096 and LARGE_ALL_REDUCE elements (the measured unshaped-veth case: 4 MB looked twice as fast
+    per byte as a bucket, and 12.6M-element buckets went plain where bf16 was faster); a 1M one
+    that took longer on any rank (a slow link, where it already measures the bandwidth) is kept.
+    Every rank decides on the slowest rank's time, so all take the same branch."""
+    from types import SimpleNamespace
+    big = autotune.LARGE_ALL_REDUCE
+    times = {(4096, torch.float32): 0.3e-3, (1 << 20, torch.float32): 2.3e-3, (big, torch.float32): 16.3e-3,
+             (4096, torch.bfloat16): 0.3e-3, (1 << 20, torch.bfloat16): 3.0e-3, (big, torch.bfloat16): 9.0e-3}
+    state = SimpleNamespace(group=None, config=FP8CommConfig(), world_size=2, rank=0, codec_for=lambda d: None)
+    _fake_measurements(monkeypatch, times, codec_per_elem=9e-9)   # the torch codec on one CPU core
+    f = autotune.measure_local(state, torch.device("cpu"))
+    assert f.s_per_byte == pytest.approx((16.3e-3 - 0.3e-3) / (4 * (big - 4096)))
+    assert f.bf16_s_per_elem == pytest.approx((9.0e-3 - 0.3e-3) / (big - 4096))
+    # the 12.6M-element fp32 bucket of that run: bf16 now, plain with the 4 MB figure
+    assert choose(f, 12_595_200, 4, BPE, cast=True) == "bf16"
+    four_mb = Figures(*autotune.fit_line(4 * 4096, 0.3e-3, 4 << 20, 2.3e-3), f.codec_fixed_s, f.codec_s_per_elem,
+                      f.cast_s_per_elem, autotune.fit_line(4096, 0.3e-3, 1 << 20, 3.0e-3)[1])
+    assert choose(four_mb, 12_595_200, 4, BPE, cast=True) == "none"
+    # another rank took FAST_LINK_S or longer for its 1M all-reduce: every rank keeps 1M
+    _fake_measurements(monkeypatch, times, slowest=lambda s: max(s, autotune.FAST_LINK_S), codec_per_elem=9e-9)
+    f = autotune.measure_local(state, torch.device("cpu"))
+    assert f.s_per_byte == pytest.approx((2.3e-3 - 0.3e-3) / (4 * ((1 << 20) - 4096)))
+    assert f.bf16_s_per_elem == pytest.approx((3.0e-3 - 0.3e-3) / ((1 << 20) - 4096))
+
+
 def test_noisy_all_reduce_timings_never_make_the_link_free(monkeypatch):
     """When the larger timed all-reduce comes out no slower than the smaller (noise on a shared
     host), the figures take the larger one's time as all bandwidth instead of a zero cost per byte
@@ -92,11 +132,8 @@ def test_noisy_all_reduce_timings_never_make_the_link_free(monkeypatch):
     from fp8_comm_hook import collectives
     times = {(4096, torch.float32): 5.2e-3, (1 << 20, torch.float32): 5.1e-3,
              (4096, torch.bfloat16): 3.0e-3, (1 << 20, torch.bfloat16): 2.9e-3}
-    monkeypatch.setattr(collectives, "time_all_reduce",
-                        lambda n, group, device, repeats, dtype=torch.float32: times[(n, dtype)])
-    monkeypatch.setattr(collectives, "bf16_all_reduce_works", lambda group, device: True)
-    monkeypatch.setattr(autotune, "time_codec", lambda codec, cfg, n, W, r, dev, rep: 1e-4 + 1e-9 * n)
-    monkeypatch.setattr(autotune, "time_cast", lambda n, W, dev, rep: 1e-10 * n)
+    # another rank's 1M all-reduce took FAST_LINK_S: no second measurement at the large size
+    _fake_measurements(monkeypatch, times, slowest=lambda s: autotune.FAST_LINK_S)
     state = SimpleNamespace(group=None, config=FP8CommConfig(), world_size=2, rank=0, codec_for=lambda d: None)
     f = autotune.measure_local(state, torch.device("cpu"))
     assert f.latency_s == 0.0 and f.s_per_byte == pytest.approx(5.1e-3 / (4 << 20))
