@@ -71,6 +71,29 @@ def test_exact_round_trip_of_representable_values(fmt):
     assert torch.equal(sinv, torch.tensor([2.0 ** k for k in range(-20, 21, 5)]))
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_cpu_table_decode_equals_torch_cast(fmt, strided, monkeypatch):
+    """The CPU decode (a table of all 256 codes, in chunks) gives torch's FP8 cast bit for bit: every
+    code (NaN, Inf for E5M2, subnormals, -0.0) in rows that are strided views of a packed buffer or
+    one contiguous run, across chunk boundaries (a small chunk, not dividing the row)."""
+    from fp8_comm_hook.codec import torch_codec
+    monkeypatch.setattr(torch_codec, "_LUT_CHUNK", 100)
+    codec = TorchCodec(get_format(fmt))
+    rows, C = 3, 777
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.cat([torch.arange(256, dtype=torch.uint8).repeat(rows * C // 256 + 1)])[:rows * C]
+    codes = codes[torch.randperm(rows * C, generator=gen)].view(rows, C)
+    packed = torch.zeros(rows, C + 13 if strided else C, dtype=torch.uint8)
+    packed[:, :C] = codes
+    payload = packed[:, :C]
+    assert payload.is_contiguous() != strided
+    out = torch.full((rows, C), 12345.0)
+    codec._fp8_to_fp32(payload, out)
+    ref = payload.view(get_format(fmt).dtype).float()
+    assert torch.equal(out.view(torch.int32), ref.view(torch.int32))   # bits: NaN payloads and -0.0 too
+
+
 def test_zeros_get_scale_one():
     x = torch.zeros(1000)
     L, y = encode_decode(x, [1000])
