@@ -94,6 +94,29 @@ def test_cpu_table_decode_equals_torch_cast(fmt, strided, monkeypatch):
     assert torch.equal(out.view(torch.int32), ref.view(torch.int32))   # bits: NaN payloads and -0.0 too
 
 
+@pytest.mark.parametrize("case", ["finite", "inf", "nan", "sum_overflows"])
+def test_keep_finite_updates_only_finite_values(case):
+    """Error feedback's residual update: ``updated`` where finite, the old residual elsewhere; the
+    CPU's shortcut (a finite sum: copy) and its mask path agree, also where every value is finite
+    but their sum leaves the fp32 range."""
+    from fp8_comm_hook.codec.base import keep_finite_
+    gen = torch.Generator().manual_seed(3)
+    old = torch.randn(10_000, generator=gen)
+    updated = torch.randn(10_000, generator=gen)
+    if case == "inf":
+        updated[[5, 9999]] = torch.tensor([float("inf"), -float("inf")])
+    elif case == "nan":
+        updated[1234] = float("nan")
+    elif case == "sum_overflows":
+        updated[:4] = 3e38
+    assert bool(torch.isfinite(updated.sum())) == (case == "finite")
+    expect = torch.where(torch.isfinite(updated), updated, old)
+    residual = old.clone()
+    assert keep_finite_(residual, updated) is residual
+    assert torch.equal(residual, expect)
+    assert bool(torch.isfinite(residual).all())
+
+
 def test_zeros_get_scale_one():
     x = torch.zeros(1000)
     L, y = encode_decode(x, [1000])
