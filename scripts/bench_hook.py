@@ -89,17 +89,31 @@ def _worker(rank, world, store_path, device, reps, out_path):
     dist.destroy_process_group()
 
 
+def wins_from(rows, wins):
+    """Smallest measured size from which ``wins(row)`` holds at that size and every larger one (a
+    single size that wins among losing neighbours is noise, not a crossover); None if none."""
+    best = None
+    for r in sorted(rows, key=lambda r: r["numel"], reverse=True):
+        if not wins(r):
+            break
+        best = r["numel"]
+    return best
+
+
 def crossover(rows, world, link_gbps):
-    """Smallest measured size at which FP8 on a link of ``link_gbps`` GB/s beats fp32, from the
-    fixed overhead at small sizes plus wire time (2(W-1)/W bytes per element, 4 vs ~1.03)."""
+    """Smallest measured size from which FP8 on a link of ``link_gbps`` GB/s beats fp32 (at every
+    larger size too), from the measured times at loopback plus the wire time (2(W-1)/W bytes per
+    element, 4 vs ~1.03); ``link_gbps`` None: the measured times alone."""
     ring = 2 * (world - 1) / world
-    for r in rows:
+
+    def wins(r):
+        if link_gbps is None:   # on loopback the wire is ~free: the measured times are all there is
+            return r["fp8_us"] < r["plain_us"]
         wire_fp32 = ring * 4 * r["numel"] / (link_gbps * 1e3)          # us
         wire_fp8 = ring * (1 + 4 / 128) * r["numel"] / (link_gbps * 1e3)
-        # on loopback the wire is ~free: the measured times are the fixed and compute costs
-        if r["fp8_us"] + wire_fp8 < r["plain_us"] + wire_fp32:
-            return r["numel"]
-    return None
+        return r["fp8_us"] + wire_fp8 < r["plain_us"] + wire_fp32
+
+    return wins_from(rows, wins)
 
 
 def main():
@@ -114,14 +128,13 @@ def main():
         mp.spawn(_worker, args=(a.world, os.path.join(d, "store"), a.device, a.reps, tmp), nprocs=a.world)
         rows = json.load(open(tmp))
     links = {"loopback (measured)": None, "100 GbE (12.5 GB/s)": 12.5, "25 GbE (3.1 GB/s)": 3.125}
-    summary = {k: crossover(rows, a.world, v) if v else next((r["numel"] for r in rows if r["fp8_us"] < r["plain_us"]), None)
-               for k, v in links.items()}
+    summary = {k: crossover(rows, a.world, v) for k, v in links.items()}
     host = f"{torch.__version__}, {os.cpu_count()} CPUs" + (f", {torch.cuda.get_device_name()}" if a.device == "cuda" else "")
     print(f"per-bucket averaged all-reduce, gloo world {a.world} on {a.device} ({host}); median us")
     print(f"{'numel':>9} {'plain_us':>10} {'fp8_us':>10} {'codec_us':>10} {'fp8/plain':>9}")
     for r in rows:
         print(f"{r['numel']:>9} {r['plain_us']:>10.1f} {r['fp8_us']:>10.1f} {r['codec_us']:>10.1f} {r['fp8_us'] / r['plain_us']:>9.2f}")
-    print("smallest size where FP8 wins:", summary)
+    print("smallest size from which FP8 wins:", summary)
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"host": host, "world": a.world, "device": a.device, "rows": rows, "fp8_wins_from_numel": summary}, f, indent=1)
