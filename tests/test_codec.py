@@ -73,12 +73,15 @@ def test_exact_round_trip_of_representable_values(fmt):
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("strided", [False, True])
-def test_cpu_table_decode_equals_torch_cast(fmt, strided, monkeypatch):
+@pytest.mark.parametrize("chunk", [100, 2000])
+def test_cpu_table_decode_equals_torch_cast(fmt, strided, chunk, monkeypatch):
     """The CPU decode (a table of all 256 codes, in chunks) gives torch's FP8 cast bit for bit: every
     code (NaN, Inf for E5M2, subnormals, -0.0) in rows that are strided views of a packed buffer or
-    one contiguous run, across chunk boundaries (a small chunk, not dividing the row)."""
+    one contiguous run; chunks shorter than a row (100: each row in pieces, not dividing it) and
+    holding whole rows (2000: two rows per lookup, then the odd one)."""
     from fp8_comm_hook.codec import torch_codec
-    monkeypatch.setattr(torch_codec, "_LUT_CHUNK", 100)
+    monkeypatch.setattr(torch_codec, "_LUT_CHUNK", chunk)
+    monkeypatch.setattr(torch_codec, "_LUT_MIN", 0)
     codec = TorchCodec(get_format(fmt))
     rows, C = 3, 777
     gen = torch.Generator().manual_seed(7)
