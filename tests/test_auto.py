@@ -265,6 +265,37 @@ def chk_forced_bf16_plan(rank, W):
     return dict(_forced_plan_run(rank, "bf16"), bf16_sums=collectives.bf16_all_reduce_works(None, torch.device("cpu")))
 
 
+def chk_bf16_wire_is_kept_and_exact(rank, W):
+    """auto's bf16 buckets cast into a bf16 buffer kept in the bucket's plan (the same buffer every
+    step); cast_all_reduce into a given buffer gives the bits of the recipe with a new tensor (two
+    calls on different data), and refuses a buffer of the wrong dtype or shape."""
+    from fp8_comm_hook import collectives
+    gen = torch.Generator().manual_seed(100 + rank)
+    wire = torch.empty(5000, dtype=torch.bfloat16)
+    same = []
+    for _ in range(2):
+        x = torch.randn(5000, generator=gen) * 10 ** rank
+        a, b = x.clone(), x.clone()
+        collectives.cast_all_reduce(a)
+        collectives.cast_all_reduce(b, wire=wire)
+        same.append(torch.equal(a, b))
+    refused = []
+    for bad in (torch.empty(5000, dtype=torch.float16), torch.empty(4999, dtype=torch.bfloat16)):
+        try:
+            collectives.cast_all_reduce(torch.zeros(5000), wire=bad)
+            refused.append(False)
+        except ValueError:
+            refused.append(True)
+    d, st = _auto_ddp(mlp(depth=8, width=256), bucket_cap_mb=0.1)
+    st.set_auto_plan(lambda n, e: "bf16" if n >= 20_000 else "none")
+    ptrs = []
+    for it in range(3):
+        local_grads(d, *batch(rank, it))
+        wires = [p.memo.get("bf16_wire") for p, _, _ in st._plans.values() if p.mode == "bf16"]
+        ptrs.append(sorted(w.data_ptr() for w in wires if w is not None) if all(w is not None for w in wires) else None)
+    return dict(same=same, refused=refused, ptrs=ptrs, bf16_buckets=st.stats()["bf16_buckets"])
+
+
 def chk_measure_combines_different_figures(rank, W):
     """Each rank 'measures' different figures (rank-dependent, injected): measure() hands every rank
     the element-wise maximum."""
@@ -288,7 +319,7 @@ def chk_tune_on_request(rank, W):
 
 
 CHECKS = [chk_registration_measures_same_plan, chk_forced_mixed_plan, chk_forced_bf16_plan,
-          chk_measure_combines_different_figures, chk_tune_on_request]
+          chk_bf16_wire_is_kept_and_exact, chk_measure_combines_different_figures, chk_tune_on_request]
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"world{w}")
@@ -326,6 +357,15 @@ def test_forced_bf16_plan(world):
         assert s["bytes_sent"] < 0.75 * s["bytes_baseline"], s
         assert 0 < x["max_err"] < 0.02, x["max_err"]
     assert len({x["digest"] for x in v}) == 1
+
+
+def test_bf16_wire_is_kept_and_exact(world):
+    W, res = world
+    for x in values(res, "chk_bf16_wire_is_kept_and_exact"):
+        assert x["same"] == [True, True] and x["refused"] == [True, True]
+        assert x["bf16_buckets"] > 0
+        # DDP rebuilds its buckets after the first step; from then on each bucket keeps its buffer
+        assert x["ptrs"][1] and x["ptrs"][1] == x["ptrs"][2], x["ptrs"]
 
 
 def test_measure_gives_every_rank_the_maximum(world):
