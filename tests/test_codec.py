@@ -120,6 +120,33 @@ def test_keep_finite_updates_only_finite_values(case):
     assert bool(torch.isfinite(residual).all())
 
 
+@pytest.mark.parametrize("scaling", ["block", "tensor", "bucket"])
+def test_group_amax_is_the_max_of_abs_bit_for_bit(scaling):
+    """group_amax (max of max and -min per block) equals the amax of |x| to the bit on Gaussian and
+    heavy-tailed data with outliers, blocks of only -0.0 or only +0.0 (+0.0 out, as |x| gives), blocks holding
+    -Inf or +Inf (+Inf) and NaN (+Inf, so a MAX all-reduce keeps it)."""
+    gen = torch.Generator().manual_seed(11)
+    numels = [4096, 1000, 640, 3]
+    L = make_layout(numels, world_size=2, scaling=scaling)
+    x = torch.randn(sum(numels), generator=gen)
+    x[:1000] = torch.distributions.StudentT(1.5).sample((1000,))
+    x[::997] *= 1e4
+    x[128:256] = -0.0
+    x[256:384] = 0.0
+    x[300], x[700], x[1200] = -float("inf"), float("inf"), float("nan")
+    codec = TorchCodec(get_format("e4m3"))
+    staged = L.gather_from(x).clone()
+    got = codec.group_amax(staged, L.groups, L.work, L.block_amax, L.group_amax)[:L.groups.num_groups].clone()
+    inf = float("inf")
+    blocks = staged[:L.groups.rows * L.chunk_numel].abs().view(-1, L.block_size).amax(1).nan_to_num(nan=inf, posinf=inf)
+    if L.groups.block_group is None:
+        want = blocks
+    else:
+        want = torch.zeros(L.groups.num_groups).scatter_reduce(0, L.groups.block_group, blocks, "amax")
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(got.double(), reference_group_amax(L, x).nan_to_num(nan=inf, posinf=inf))
+
+
 def test_zeros_get_scale_one():
     x = torch.zeros(1000)
     L, y = encode_decode(x, [1000])

@@ -33,10 +33,14 @@ class TorchCodec(Codec):
     def group_amax(self, x, groups: ScaleGroups, work, block_amax, out):
         bs = groups.block_size
         n = groups.rows * groups.chunk_numel
-        w = work[:n].view(-1, bs)
-        torch.abs(x[:n].view(-1, bs), out=w)
-        bam = block_amax[:groups.num_blocks]
-        torch.amax(w, dim=1, out=bam)
+        xb = x[:n].view(-1, bs)
+        bam, low = block_amax[:groups.num_blocks], work[:groups.num_blocks]
+        # max(max x, -min x) per block: two reads of x instead of writing |x| and reading it back
+        # (0.74 against 1.26 ms for 4.2M values on one CPU core); NaN and Inf propagate alike, and
+        # adding +0.0 turns an all-(-0.0) block's -0.0 into the +0.0 that |x| gave
+        torch.amax(xb, dim=1, out=bam)
+        torch.amin(xb, dim=1, out=low)
+        torch.maximum(bam, low.neg_(), out=bam).add_(0.0)
         torch.nan_to_num_(bam, nan=_INF, posinf=_INF)
         if groups.block_group is None:
             out[:groups.num_groups].copy_(bam)
