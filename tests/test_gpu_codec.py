@@ -439,6 +439,112 @@ def test_te_refuses_block_scaling():
         TECodec(get_format("e4m3")).encode(torch.randn(n, device=DEV), L)
 
 
+def _wire_groups(x2d, group, fmt, pre_scale=1.0):
+    """The wire format's bytes for ``x2d`` (rows x K) in scale groups of ``group`` consecutive
+    elements of a row, in eager torch: (payload uint8 rows x K, scale_inv fp32 rows x K/group)."""
+    from fp8_comm_hook.codec.base import compute_scales
+    rows, K = x2d.shape
+    xf = x2d.float().view(rows, K // group, group)
+    amax = torch.maximum(xf.amax(-1), -xf.amin(-1))  # NaN propagates, as the wire needs
+    scale, scale_inv = torch.empty_like(amax), torch.empty_like(amax)
+    compute_scales(amax, fmt.fmax, pre_scale, scale, scale_inv)
+    q = (xf * scale[..., None]).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
+    return q.view(torch.uint8).view(rows, K), scale_inv
+
+
+def _te_quantizers(fmt):
+    """TE's own whole-tensor quantizers: (one quantize per row with current scaling -> (payload,
+    scale_inv per row), 1x128 block quantize of the whole matrix -> (payload, scale_inv per block))."""
+    import transformer_engine.pytorch  # noqa: F401
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+    dt = tex.DType.kFloat8E4M3 if fmt.name == "e4m3" else tex.DType.kFloat8E5M2
+
+    def current_per_row(x2d):
+        q = Float8CurrentScalingQuantizer(dt, x2d.device, rowwise=True, columnwise=False)
+        outs = [q(row.contiguous()) for row in x2d]
+        return (torch.stack([o._data.view(torch.uint8) for o in outs]),
+                torch.stack([o._scale_inv.float().reshape(()) for o in outs]).view(-1, 1))
+
+    def block_1x128(x2d):
+        q = Float8BlockQuantizer(dt, rowwise=True, columnwise=False, amax_epsilon=0.0,
+                                 force_pow_2_scales=False, block_scaling_dim=1)
+        o = q(x2d)
+        rows, K = x2d.shape
+        si = o._rowwise_scale_inv.float()
+        # TE keeps 1x128 scales transposed (blocks x rows, rows padded to 4) for its GEMMs
+        si = si if tuple(si.shape) == (rows, K // 128) else si[:, :rows].t()
+        return o._rowwise_data.view(torch.uint8).view(rows, K), si.contiguous()
+
+    return current_per_row, block_1x128
+
+
+@needs_te
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_te_own_quantizers_cannot_write_the_wire_format(fmt, dtype):
+    """Why the TE backend casts under scales set by the wire rule instead of handing whole buckets to
+    TE's quantizers. TE's current-scaling quantizer (one scale per tensor: bucket scaling) and its
+    1x128 block quantizer (block scaling, power-of-two scales off, no epsilon) write the wire's bytes
+    for finite groups, but:
+
+    - a group holding an Inf or a NaN gets a finite scale_inv from TE (its scale function returns 1
+      for a non-finite amax, and its cast saturates an Inf to +-fmax), where the wire needs
+      scale_inv = NaN so that every rank sees the non-finite gradient;
+    - the block quantizer caps an overflowing scale at the input type's largest value (bf16's
+      3.39e38 for a bf16 bucket) where the wire caps at FLT_MAX;
+    - neither takes a pre-scale (nccl_fp8 multiplies the scale by 1/sqrt(world)).
+
+    So a TE whole-bucket quantize needs an amax pass of our own first, which is the pass the fused
+    Triton kernels fold into the cast; the differing bytes are asserted here."""
+    fmt = get_format(fmt)
+    current_per_row, block_1x128 = _te_quantizers(fmt)
+    torch.manual_seed(4242)
+    rows, K = 8, 4096
+    for kind in KINDS:  # finite groups: TE's bytes are the wire's
+        x = sample(rows * K, kind, dtype).view(rows, K)
+        for name, te_fn, group in (("current", current_per_row, K), ("block", block_1x128, 128)):
+            want_q, want_si = _wire_groups(x, group, fmt)
+            got_q, got_si = te_fn(x)
+            assert torch.equal(got_si, want_si), f"TE {name} scale_inv differs on finite {kind} data"
+            assert torch.equal(got_q, want_q), f"TE {name} payload differs on finite {kind} data"
+
+    x = sample(rows * K, "gauss", dtype).view(rows, K)
+    x[2, 5] = math.inf
+    x[5, 300] = math.nan
+    for name, te_fn, group in (("current", current_per_row, K), ("block", block_1x128, 128)):
+        want_q, want_si = _wire_groups(x, group, fmt)
+        got_q, got_si = te_fn(x)
+        bad = [(2, 5 // group), (5, 300 // group)]
+        for r, g in bad:
+            assert torch.isnan(want_si[r, g]), "the wire marks a non-finite group with scale_inv NaN"
+            assert torch.isfinite(got_si[r, g]), f"TE {name} now marks non-finite groups: revisit te_codec"
+        if fmt.name == "e4m3":  # E4M3 has no Inf code: TE's saturating cast writes +-448
+            inf_value = got_q[2, 5:6].view(fmt.dtype).float() * got_si[2, 5 // group]
+            assert torch.isfinite(inf_value).all(), f"TE {name} decodes the Inf as a finite value"
+        finite = torch.isfinite(want_si)
+        assert int(finite.sum()) == want_si.numel() - len(bad)
+        assert torch.equal(got_si[finite], want_si[finite]), f"TE {name}: finite groups must still agree"
+
+    if dtype == torch.bfloat16:  # a block whose scale overflows fp32: TE caps at bf16's max
+        x = sample(rows * K, "gauss", dtype).view(rows, K)
+        x[0, :128] = torch.tensor(1e-37, dtype=dtype)
+        want_q, want_si = _wire_groups(x, 128, fmt)
+        got_q, got_si = block_1x128(x)
+        fmax_bf16 = torch.finfo(torch.bfloat16).max
+        assert want_si[0, 0].item() == pytest.approx(1 / torch.finfo(torch.float32).max, rel=1e-6)
+        assert got_si[0, 0].item() == pytest.approx(1 / fmax_bf16, rel=1e-6)
+        assert not torch.equal(got_si[0, 0], want_si[0, 0])
+
+    # nccl_fp8's pre-scale: the wire's scale_inv is sqrt(world) times TE's, which has no such input
+    x = sample(rows * K, "heavy", dtype).view(rows, K)
+    want_q, want_si = _wire_groups(x, K, fmt, pre_scale=1 / math.sqrt(8))
+    got_q, got_si = current_per_row(x)
+    assert torch.allclose(want_si, got_si * math.sqrt(8), rtol=1e-6)
+    assert not torch.equal(want_si, got_si)
+
+
 # --------------------------------------------------------------------------- two_shot over gloo on one GPU
 def _all_reduce_backends(rank, world):
     """Per rank: the all_reduce result of every config with the triton and the torch backend."""
