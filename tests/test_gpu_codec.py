@@ -439,17 +439,17 @@ def test_te_refuses_block_scaling():
         TECodec(get_format("e4m3")).encode(torch.randn(n, device=DEV), L)
 
 
-def _wire_groups(x2d, group, fmt, pre_scale=1.0):
-    """The wire format's bytes for ``x2d`` (rows x K) in scale groups of ``group`` consecutive
-    elements of a row, in eager torch: (payload uint8 rows x K, scale_inv fp32 rows x K/group)."""
-    from fp8_comm_hook.codec.base import compute_scales
+def _wire_bytes(x2d, scaling, fmt):
+    """The wire's bytes for ``x2d`` (rows x K) by the torch reference codec: a bucket of
+    ``rows * K`` elements at world ``rows``, so that chunk r is row r; ``scaling`` "bucket" (one
+    scale per row) or "block" (one per 128 elements). Returns (payload uint8 rows x K, scale_inv
+    fp32 rows x groups per row)."""
     rows, K = x2d.shape
-    xf = x2d.float().view(rows, K // group, group)
-    amax = torch.maximum(xf.amax(-1), -xf.amin(-1))  # NaN propagates, as the wire needs
-    scale, scale_inv = torch.empty_like(amax), torch.empty_like(amax)
-    compute_scales(amax, fmt.fmax, pre_scale, scale, scale_inv)
-    q = (xf * scale[..., None]).clamp(-fmt.fmax, fmt.fmax).to(fmt.dtype)
-    return q.view(torch.uint8).view(rows, K), scale_inv
+    L, n = make_layout([rows * K], rows, 0, scaling, x2d.dtype)
+    assert L.chunk_numel == K
+    TorchCodec(fmt).encode(x2d.reshape(-1), L)
+    G = 1 if scaling == "bucket" else K // 128
+    return L.payload(L.send, K).clone(), L.scales(L.send, K)[:, :G].clone()
 
 
 def _te_quantizers(fmt):
@@ -504,8 +504,8 @@ def test_te_own_quantizers_cannot_write_the_wire_format(fmt, dtype):
     rows, K = 8, 4096
     for kind in KINDS:  # finite groups: TE's bytes are the wire's
         x = sample(rows * K, kind, dtype).view(rows, K)
-        for name, te_fn, group in (("current", current_per_row, K), ("block", block_1x128, 128)):
-            want_q, want_si = _wire_groups(x, group, fmt)
+        for name, te_fn, scaling in (("current", current_per_row, "bucket"), ("block", block_1x128, "block")):
+            want_q, want_si = _wire_bytes(x, scaling, fmt)
             got_q, got_si = te_fn(x)
             assert torch.equal(got_si, want_si), f"TE {name} scale_inv differs on finite {kind} data"
             assert torch.equal(got_q, want_q), f"TE {name} payload differs on finite {kind} data"
@@ -513,8 +513,9 @@ def test_te_own_quantizers_cannot_write_the_wire_format(fmt, dtype):
     x = sample(rows * K, "gauss", dtype).view(rows, K)
     x[2, 5] = math.inf
     x[5, 300] = math.nan
-    for name, te_fn, group in (("current", current_per_row, K), ("block", block_1x128, 128)):
-        want_q, want_si = _wire_groups(x, group, fmt)
+    for name, te_fn, scaling, group in (("current", current_per_row, "bucket", K),
+                                        ("block", block_1x128, "block", 128)):
+        want_q, want_si = _wire_bytes(x, scaling, fmt)
         got_q, got_si = te_fn(x)
         bad = [(2, 5 // group), (5, 300 // group)]
         for r, g in bad:
@@ -530,7 +531,7 @@ def test_te_own_quantizers_cannot_write_the_wire_format(fmt, dtype):
     if dtype == torch.bfloat16:  # a block whose scale overflows fp32: TE caps at bf16's max
         x = sample(rows * K, "gauss", dtype).view(rows, K)
         x[0, :128] = torch.tensor(1e-37, dtype=dtype)
-        want_q, want_si = _wire_groups(x, 128, fmt)
+        want_q, want_si = _wire_bytes(x, "block", fmt)
         got_q, got_si = block_1x128(x)
         fmax_bf16 = torch.finfo(torch.bfloat16).max
         assert want_si[0, 0].item() == pytest.approx(1 / torch.finfo(torch.float32).max, rel=1e-6)
@@ -538,8 +539,12 @@ def test_te_own_quantizers_cannot_write_the_wire_format(fmt, dtype):
         assert not torch.equal(got_si[0, 0], want_si[0, 0])
 
     # nccl_fp8's pre-scale: the wire's scale_inv is sqrt(world) times TE's, which has no such input
+    from fp8_comm_hook.codec.base import compute_scales
     x = sample(rows * K, "heavy", dtype).view(rows, K)
-    want_q, want_si = _wire_groups(x, K, fmt, pre_scale=1 / math.sqrt(8))
+    xf = x.float()
+    amax = torch.maximum(xf.amax(1, keepdim=True), -xf.amin(1, keepdim=True))
+    want_si = torch.empty_like(amax)
+    compute_scales(amax, fmt.fmax, 1 / math.sqrt(8), torch.empty_like(amax), want_si)
     got_q, got_si = current_per_row(x)
     assert torch.allclose(want_si, got_si * math.sqrt(8), rtol=1e-6)
     assert not torch.equal(want_si, got_si)
