@@ -52,6 +52,9 @@ def main():
         print(json.dumps(dict(first_loss=losses[0], last_loss=sum(losses[-10:]) / 10, accuracy=acc,
                               stats=state.stats() if state else None, world_size=accelerator.num_processes,
                               wrapped=type(model).__name__)))
+    # Destroys the process groups (the hook's side group included) while the interpreter is alive: gloo
+    # worker threads still holding work at interpreter shutdown can abort the process.
+    accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ def main():
         stats = trainer.strategy.fp8_comm_state.stats()
         print(json.dumps(dict(first_loss=module.losses[0], last_loss=sum(module.losses[-10:]) / 10,
                               accuracy=acc, stats=stats, world_size=trainer.world_size)))
+    if torch.distributed.is_initialized():
+        # Gloo worker threads still holding work at interpreter shutdown can abort the process.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -74,6 +74,9 @@ def main():
         print(json.dumps(dict(first_loss=losses[0], last_loss=sum(losses[-10:]) / 10, accuracy=acc,
                               stats=callback.state.stats() if callback.state else None,
                               world_size=trainer.args.world_size, wrapped=type(trainer.model_wrapped).__name__)))
+    if torch.distributed.is_initialized():
+        # Gloo worker threads still holding work at interpreter shutdown can abort the process.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

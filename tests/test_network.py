@@ -61,7 +61,7 @@ def test_every_mode_steps_through_the_link(shaped_run):
         assert r["nodes"] == 2 and r["ranks_per_node"] == 1 and r["rate_gbit"] == RATE_GBIT
         assert r["numel"] == 3 * (128 * 128 + 128) and r["step_ms"] > 0
     auto = next(r for r in rows if r["mode"] == "auto")["auto"]
-    assert auto["buckets"] and {b["mode"] for b in auto["buckets"]} <= {"two_shot", "none"}
+    assert auto["buckets"] and {b["mode"] for b in auto["buckets"]} <= {"two_shot", "none", "bf16"}
 
 
 @needs_net
