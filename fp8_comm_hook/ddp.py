@@ -35,7 +35,7 @@ def fp8_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
     flat = bucket.buffer()
     last = bucket.is_last()
     try:
-        return reduce_bucket(state, flat, state.prepare_bucket(bucket.parameters(), bucket.gradients, flat), last)
+        return reduce_bucket(state, flat, state.prepare_bucket(bucket.parameters, bucket.gradients, flat), last)
     finally:
         state.end_bucket(last)
 

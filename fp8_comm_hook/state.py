@@ -9,6 +9,7 @@ described by a :class:`~fp8_comm_hook.layout.LayoutSpec` and adopted in one plac
 """
 import logging
 import math
+import weakref
 from typing import Dict, List, NamedTuple, Optional
 
 import torch
@@ -59,7 +60,7 @@ class FP8CommState:
 
     __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
                  "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
-                 "_world", "_graphs", "_worker", "_side_group", "_auto", "_plans", "__weakref__")
+                 "_world", "_graphs", "_worker", "_side_group", "_auto", "_plans", "_buffer_plans", "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -83,6 +84,7 @@ class FP8CommState:
         self._side_group = None                      # ... and the process group it issues them on
         self._auto = None                            # algorithm="auto": (numel, element size) -> mode, see set_auto_plan
         self._plans: Dict[tuple, tuple] = {}         # DDP buckets' reusable plans, see prepare_bucket()
+        self._buffer_plans: Dict[int, tuple] = {}    # ... the same, found by the bucket buffer's tensor object
         self.layouts_built = 0                      # how many bucket layouts were derived (rebuilds add)
         self.loss_scale: Optional[float] = None     # the loss scale the residuals are in (set_loss_scale)
 
@@ -92,7 +94,7 @@ class FP8CommState:
         module's names are used, so they match an unwrapped model's). Returns self."""
         inner = getattr(model, "module", model)
         self._names = {id(p): n for n, p in inner.named_parameters()}
-        self._plans.clear()   # plans hold bucket specs, which hold the names
+        self._forget_plans()   # plans hold bucket specs, which hold the names
         return self
 
     @property
@@ -219,20 +221,42 @@ class FP8CommState:
         reusable ones from :meth:`prepare_bucket`."""
         return self._build_plan(flat, spec, collective, self.mode_for(flat.numel(), flat.element_size()), None)
 
-    def prepare_bucket(self, params: List[torch.Tensor], grads, flat: torch.Tensor) -> BucketPlan:
-        """:meth:`prepare` for a DDP bucket holding ``params`` (``grads`` as in :meth:`bucket_spec`).
-        The plan of a bucket seen before (same parameters, buffer, dtype and mode) is the same
-        object, found with one dict lookup, with a ``memo`` dict for the caller, until a layout is
-        adopted or retired (stochastic rounding, whose generator is reseeded per bucket, gets a new
-        plan each call): the hook's host time per bucket is what a step pays."""
+    def prepare_bucket(self, params, grads, flat: torch.Tensor) -> BucketPlan:
+        """:meth:`prepare` for a DDP bucket holding ``params`` (a list, or a callable returning it such
+        as ``bucket.parameters``; ``grads`` as in :meth:`bucket_spec`). The plan of a bucket seen
+        before (same parameters, buffer, dtype and mode) is the same object, with a ``memo`` dict for
+        the caller, until a layout is adopted or retired (stochastic rounding, whose generator is
+        reseeded per bucket, gets a new plan each call): the hook's host time per bucket is what a
+        step pays.
+
+        A bucket seen before is found by its buffer's tensor object (DDP hands the hook the same
+        Python object for a live bucket every step), checked through a weak reference, without
+        asking for its parameters: a buffer's parameters are fixed while it lives, and a rebuilt
+        bucket is a new buffer, so a new object (a dead one's reused ``id`` fails the check)."""
         numel = flat.numel()
         mode = self.mode_for(numel, flat.element_size())
+        fast = self._buffer_plans.get(id(flat))
+        if fast is not None and fast[1] == mode and fast[0]() is flat:
+            self._stats.add_bucket(fast[3], fast[4])
+            return fast[2]
+        if callable(params):
+            params = params()
         key = (tuple(map(id, params)), flat.data_ptr(), numel, flat.dtype, flat.get_device(), mode)
         hit = self._plans.get(key)
         if hit is not None:
             self._stats.add_bucket(hit[1], hit[2])
-            return hit[0]
-        return self._build_plan(flat, self.bucket_spec(params, grads, flat), "all_reduce", mode, key)
+        else:
+            plan = self._build_plan(flat, self.bucket_spec(params, grads, flat), "all_reduce", mode, key)
+            hit = self._plans.get(key)
+            if hit is None or hit[0] is not plan:   # not reusable
+                return plan
+        self._buffer_plans[id(flat)] = (weakref.ref(flat), mode) + hit
+        return hit[0]
+
+    def _forget_plans(self) -> None:
+        """Drop every reusable DDP bucket plan (their layouts or names changed)."""
+        self._plans.clear()
+        self._buffer_plans.clear()
 
     def _build_plan(self, flat: torch.Tensor, spec: LayoutSpec, collective: str, mode: str,
                     key: Optional[tuple]) -> BucketPlan:
@@ -256,7 +280,7 @@ class FP8CommState:
                               {} if reusable else None)
         if reusable:
             if len(self._plans) >= 4096:  # buckets rebuilt many times: forget the old buffers
-                self._plans.clear()
+                self._forget_plans()
             self._plans[key] = (plan, counter, baseline)
         return plan
 
@@ -264,7 +288,7 @@ class FP8CommState:
         old = self._layouts.pop(lkey, None)
         if old is None:
             return
-        self._plans.clear()   # plans hold layouts: none may outlive its layout
+        self._forget_plans()   # plans hold layouts: none may outlive its layout
         if old.residual is not None:
             for i, name in enumerate(old.names):
                 self._stored_residuals[name] = old.segment(old.residual, i).clone()

@@ -407,3 +407,41 @@ def test_prepare_bucket_reuses_the_plan_and_counts_every_bucket():
     other = torch.zeros(3000)                        # the bucket's buffer moved (DDP rebuilt its buckets)
     p3 = st.prepare_bucket(params, [other[:1000], other[1000:]], other)
     assert p3 is not p2 and st.prepare_bucket(params, grads, other) is p3
+
+
+def test_prepare_bucket_finds_a_live_buffer_without_asking_for_its_parameters():
+    """A bucket buffer's tensor object seen before finds its plan without calling ``params`` (the
+    hook passes ``bucket.parameters`` uncalled); another object over the same memory, a mode change
+    or forgotten plans go through the parameters again, and a dead buffer's entry never matches."""
+    st = FP8CommState(FP8CommConfig(warmup_steps=1, min_compress_numel=0))
+    st._world = (2, 0, "gloo")
+    flat = torch.zeros(3000)
+    params = [torch.zeros(1000), torch.zeros(2000)]
+    grads = [flat[:1000], flat[1000:]]
+    asked = []
+
+    def bucket_parameters():
+        asked.append(1)
+        return params
+
+    p0 = st.prepare_bucket(bucket_parameters, grads, flat)
+    assert len(asked) == 1 and p0.mode == "none"
+    assert st.prepare_bucket(bucket_parameters, grads, flat) is p0 and len(asked) == 1
+    st.end_bucket(True)                               # warm-up over: a new mode, asked again
+    p1 = st.prepare_bucket(bucket_parameters, grads, flat)
+    assert p1.mode == "two_shot" and len(asked) == 2
+    for _ in range(3):
+        assert st.prepare_bucket(bucket_parameters, grads, flat) is p1
+    assert len(asked) == 2
+    alias = flat.view(-1)                             # same memory, another object: the slow path, same plan
+    assert st.prepare_bucket(bucket_parameters, grads, alias) is p1 and len(asked) == 3
+    assert st.stats()["compressed_buckets"] == 5
+    st.bind(torch.nn.Linear(2, 2))                    # plans forgotten: asked again
+    p2 = st.prepare_bucket(bucket_parameters, grads, flat)
+    assert p2 is not p1 and len(asked) == 4
+    # A dead buffer's entry: its weak reference is dead, so an object reusing its id cannot match.
+    dead = torch.zeros(3000)
+    st.prepare_bucket(params, [dead[:1000], dead[1000:]], dead)
+    entry = st._buffer_plans[id(dead)]
+    del dead
+    assert entry[0]() is None
