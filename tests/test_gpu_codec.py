@@ -445,7 +445,7 @@ def _wire_bytes(x2d, scaling, fmt):
     scale per row) or "block" (one per 128 elements). Returns (payload uint8 rows x K, scale_inv
     fp32 rows x groups per row)."""
     rows, K = x2d.shape
-    L, n = make_layout([rows * K], rows, 0, scaling, x2d.dtype)
+    L, _ = make_layout([rows * K], rows, 0, scaling, x2d.dtype)
     assert L.chunk_numel == K
     TorchCodec(fmt).encode(x2d.reshape(-1), L)
     G = 1 if scaling == "bucket" else K // 128
