@@ -60,7 +60,7 @@ class FP8CommState:
 
     __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
                  "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
-                 "_world", "_graphs", "_worker", "_side_group", "_auto", "_plans", "_buffer_plans", "__weakref__")
+                 "_world", "_graphs", "_worker", "_side_group", "_auto", "_plans", "_buffer_plans", "_param_plans", "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -85,6 +85,7 @@ class FP8CommState:
         self._auto = None                            # algorithm="auto": (numel, element size) -> mode, see set_auto_plan
         self._plans: Dict[tuple, tuple] = {}         # DDP buckets' reusable plans, see prepare_bucket()
         self._buffer_plans: Dict[int, tuple] = {}    # ... the same, found by the bucket buffer's tensor object
+        self._param_plans: Dict[int, tuple] = {}     # id of a parameter -> key of the plan of the bucket holding it
         self.layouts_built = 0                      # how many bucket layouts were derived (rebuilds add)
         self.loss_scale: Optional[float] = None     # the loss scale the residuals are in (set_loss_scale)
 
@@ -250,6 +251,7 @@ class FP8CommState:
             hit = self._plans.get(key)
             if hit is None or hit[0] is not plan:   # not reusable
                 return plan
+            self._drop_superseded(key)
         self._buffer_plans[id(flat)] = (weakref.ref(flat), mode) + hit
         return hit[0]
 
@@ -257,6 +259,25 @@ class FP8CommState:
         """Drop every reusable DDP bucket plan (their layouts or names changed)."""
         self._plans.clear()
         self._buffer_plans.clear()
+        self._param_plans.clear()
+
+    def _drop_superseded(self, key: tuple) -> None:
+        """A new reusable plan ``key`` holds these parameters: drop the plans of every other bucket
+        that held one of them. A parameter lives in one DDP bucket at a time, so those buckets are
+        gone (DDP rebuilt its buckets after the first step) or their mode moved on (warm-up over),
+        and their plans, whose CUDA-graph runners keep the old bucket buffer alive, must not pin
+        that memory (a model's whole gradient size) for the rest of training."""
+        ids = key[0]
+        stale = {self._param_plans.get(i) for i in ids}
+        stale.discard(None)
+        stale.discard(key)
+        for k in stale:
+            old = self._plans.pop(k, None)
+            if old is not None:
+                for bid in [b for b, e in self._buffer_plans.items() if e[2] is old[0]]:
+                    del self._buffer_plans[bid]
+        for i in ids:
+            self._param_plans[i] = key
 
     def _build_plan(self, flat: torch.Tensor, spec: LayoutSpec, collective: str, mode: str,
                     key: Optional[tuple]) -> BucketPlan:

@@ -445,3 +445,44 @@ def test_prepare_bucket_finds_a_live_buffer_without_asking_for_its_parameters():
     entry = st._buffer_plans[id(dead)]
     del dead
     assert entry[0]() is None
+
+
+def test_a_rebuilt_bucket_drops_the_old_buffers_plan():
+    """When DDP rebuilds its buckets (new buffers holding the same parameters) or a bucket's mode
+    moves on, the superseded plans go, and with them whatever they kept alive: a CUDA-graph runner in
+    a plan's memo holds its bucket buffer, which must not stay pinned for the rest of training."""
+    import gc
+    import weakref
+
+    st = FP8CommState(FP8CommConfig(warmup_steps=1, min_compress_numel=0))
+    st._world = (2, 0, "gloo")
+    params = [torch.zeros(1000), torch.zeros(2000), torch.zeros(500)]
+
+    def bucket(ps):
+        flat = torch.zeros(sum(p.numel() for p in ps))
+        grads, o = [], 0
+        for p in ps:
+            grads.append(flat[o:o + p.numel()])
+            o += p.numel()
+        return flat, grads
+
+    old_flat, old_grads = bucket(params[:2])
+    p0 = st.prepare_bucket(params[:2], old_grads, old_flat)
+    p0.memo["graph_run"] = lambda: old_flat           # what a graph runner holds on CUDA
+    other_flat, other_grads = bucket(params[2:])
+    p_other = st.prepare_bucket(params[2:], other_grads, other_flat)
+    # DDP rebuilds: a new buffer holds the same two parameters; the old buffer is dropped by DDP.
+    new_flat, new_grads = bucket(params[:2])
+    p1 = st.prepare_bucket(params[:2], new_grads, new_flat)
+    assert p1 is not p0 and len(st._plans) == 2
+    gone = weakref.ref(old_flat)
+    del old_flat, old_grads, p0
+    gc.collect()
+    assert gone() is None, "the superseded plan still holds the old bucket buffer"
+    assert st.prepare_bucket(params[2:], other_grads, other_flat) is p_other   # other buckets keep theirs
+    st.end_bucket(True)                                # warm-up over: the "none" plans are superseded
+    p2 = st.prepare_bucket(params[:2], new_grads, new_flat)
+    assert p2.mode == "two_shot" and len(st._plans) == 2
+    assert st.prepare_bucket(params[:2], new_grads, new_flat) is p2
+    assert all(e[2].mode in ("two_shot", "none") for e in st._buffer_plans.values())
+    assert sum(e[2] is p1 for e in st._buffer_plans.values()) == 0
