@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Launch configurations of the Triton codec's kernels, side by side on one GPU.
 
-For each op and bucket this times the kernels under several launch configurations (vectorised or
-element-wise segment-table access, warps per program, elements per program, received chunks in
-flight, lanes per block row) in the same run, checks that every configuration writes the torch
+For each op and bucket this times the kernels under several launch configurations (elements and
+warps per program of the segment-table encode and decode; for the reduce, the payload alignment
+promised, received chunks in flight, elements and warps per program, lanes per block row) in the same run, checks that every configuration writes the torch
 reference's bytes, and prints each one's GPU time and fraction of the copy ceiling beside the
 codec's current default. It is how the defaults in ``fp8_comm_hook/codec/triton_codec.py`` were
 chosen; rerun it on a new GPU before changing them.
@@ -31,17 +31,15 @@ from bench_codec import (copy_bandwidth_gbps, graph_time_ms, l2_bytes, make_code
 # Overrides of module attributes of fp8_comm_hook.codec.triton_codec; "warps" fixes the warps of every launch.
 SEGMENT_CONFIGS = [
     ("default", {}),
-    ("element-wise", {"SEGMENT_VECTORS": False}),
-    ("vectors", {"SEGMENT_VECTORS": True}),
-    ("vectors 4 warps", {"SEGMENT_VECTORS": True, "warps": 4}),
-    ("vectors 16 warps", {"SEGMENT_VECTORS": True, "warps": 16}),
-    ("vectors tile 2048", {"SEGMENT_VECTORS": True, "_QUANT_TILE": 2048}),
-    ("vectors tile 8192", {"SEGMENT_VECTORS": True, "_QUANT_TILE": 8192}),
+    ("tile 4096", {"_SEGMENT_TILE": 4096}),
+    ("tile 2048", {"_SEGMENT_TILE": 2048}),
+    ("tile 2048 8 warps", {"_SEGMENT_TILE": 2048, "warps": 8}),
+    ("tile 1024", {"_SEGMENT_TILE": 1024}),
 ]
 REDUCE_CONFIGS = [("default", {})] + [
-    (f"unroll {u} tile {t} {w} warps lanes {ln}",
-     {"_RECV_UNROLL": u, "_QUANT_TILE": t, "warps": w, "_RECV_LANES": ln})
-    for u in (4, 8) for t in (2048, 4096, 8192) for w in (4, 8, 16) for ln in (32, 128)]
+    (f"payload align {al} unroll {u} tile {t} {w} warps lanes {ln}",
+     {"_RECV_PAY_AL": al, "_RECV_UNROLL": u, "_QUANT_TILE": t, "warps": w, "_RECV_LANES": ln})
+    for al in (4, 16) for u in (4, 8) for t in (2048, 4096) for w in (4, 8) for ln in (128,)]
 
 
 def apply(tc, overrides: dict) -> dict:

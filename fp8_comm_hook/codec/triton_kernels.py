@@ -13,6 +13,7 @@ import triton.language as tl
 from ..formats import FLOAT32_MAX
 
 _QUANT_TILE = 4096       # elements per program of the quantize / dequantize kernels
+_SEGMENT_TILE = 2048     # ... where they read or write the bucket through the segment table
 _AMAX_TILE = 8192        # elements per program of the amax kernel
 _AMAX_MAX_BLOCKS = 64    # the amax kernel compares every pair of blocks of its tile
 _GROUPS_PER_PROGRAM = 1024
@@ -26,9 +27,7 @@ _FLT_MAX = tl.constexpr(FLOAT32_MAX)  # scales are clamped to it (a denormal ama
 # Source of the values a kernel quantizes.
 # _SRC_CONTIG: the bucket is one run starting at 0 in both buffers (no padding inside), read with
 # plain (vectorisable) loads; ``nsrc`` then holds its valid length.
-# _SRC_SEGMENTS_VEC: the segment table, read in 16-byte vectors from the aligned address below each
-# block's source (see :func:`_segment_vec_load`); encode without residual or stochastic rounding.
-_SRC_DENSE, _SRC_SEGMENTS, _SRC_RECV, _SRC_CONTIG, _SRC_SEGMENTS_VEC = 0, 1, 2, 3, 4
+_SRC_DENSE, _SRC_SEGMENTS, _SRC_RECV, _SRC_CONTIG = 0, 1, 2, 3
 # Where the amax of a block's scale comes from.
 _AMAX_TILE_BLOCK, _AMAX_EPOCH_GROUP, _AMAX_F32_GROUP, _AMAX_F32_BLOCK = 0, 1, 2, 3
 # What happens to the residual (error feedback).
@@ -69,10 +68,13 @@ def _fp8_bits_to_f32(bits, MBITS: tl.constexpr, BIAS: tl.constexpr):
 @triton.jit
 def _block_amax(x):
     """Max |x| per block of a [NB, KS, LW] tile (block = first axis), NaN reported as +Inf; shape
-    [NB, 1, 1]. Axis 2 is reduced across the lanes of a warp, axis 1 inside each thread."""
+    [NB, 1, 1]. Axis 1 (inside each thread) is reduced first, so that only one value per block row
+    crosses the lanes of a warp: reducing axis 2 first shuffled every one of the KS columns (80
+    shuffles per thread of a 4096-element fp32 tile read through the segment table), and the
+    shuffles, queued with the loads, held the odd-bucket encode at 61% of copy."""
     ax = tl.abs(x)
     ax = tl.where(ax == ax, ax, float("inf"))
-    return tl.max(tl.max(ax, axis=2, keep_dims=True), axis=1, keep_dims=True)
+    return tl.max(tl.max(ax, axis=1, keep_dims=True), axis=2, keep_dims=True)
 
 
 @triton.jit
@@ -107,38 +109,15 @@ def _tile(pid, nblocks, bpc, NB: tl.constexpr, BS: tl.constexpr, LW: tl.constexp
 
 
 @triton.jit
-def _segment_vec_load(x_ptr, src_ptr, valid_ptr, b, bmask, cols, VEC: tl.constexpr):
-    """Read the source of blocks ``b`` through the segment table with VEC-element (16-byte) vector
-    loads, although a block's source ``src`` may start at any element.
-
-    A block's elements are addressed from ``a = src`` rounded down to VEC as ``c`` in [r, e) with
-    ``r = src - a`` and ``e = r + nv``. The body, c in [hu, ed) (hu, ed: r rounded up and e rounded
-    down to VEC), is read at ``a + cols`` with a mask constant over every VEC elements, so the loads
-    vectorise; the head [r, min(hu, e)) and the tail [max(ed, hu), e), under VEC elements each, are
-    read element-wise into [NB, 1, VEC] pieces at ``a + t`` and ``a + ed + t``. Nothing outside the
-    block's source is read. Returns (body, head, tail as fp32; their masks; r, hu, ed, e; t)."""
-    src = tl.load(src_ptr + b, mask=bmask, other=0)
-    nv = tl.load(valid_ptr + b, mask=bmask, other=0)
-    a = (src // VEC) * VEC
-    r = src - a
-    e = r + nv
-    hu = ((r + (VEC - 1)) // VEC) * VEC
-    ed = (e // VEC) * VEC
-    t = tl.arange(0, VEC)[None, None, :]
-    m_body = bmask & (cols >= hu) & (cols < ed)
-    m_head = bmask & (t >= r) & (t < tl.minimum(hu, e))
-    m_tail = bmask & (ed + t >= hu) & (ed + t < e)
-    base = x_ptr + a
-    xb = tl.load(base + cols, mask=m_body, other=0.0).to(tl.float32)
-    xh = tl.load(base + t, mask=m_head, other=0.0).to(tl.float32)
-    xt = tl.load(base + ed + t, mask=m_tail, other=0.0).to(tl.float32)
-    return xb, xh, xt, m_body, m_head, m_tail, r, hu, ed, e, t
-
-
-@triton.jit
-def _segment_vec_amax(xb, xh, xt):
-    """Block amax ([NB, 1, 1], NaN as +Inf) of the three pieces of :func:`_segment_vec_load`."""
-    return tl.maximum(_block_amax(xb), tl.maximum(_block_amax(xh), _block_amax(xt)))
+def _row_load(ptr, offs, mask, other):
+    """``ptr[offs]`` where ``mask``, for offsets and mask of shape [NB, 1, 1] (one value per block
+    row: a scale, a segment-table entry, a group index), loaded as a 1-D tensor and expanded back.
+    A [NB, 1, 1] load issues one load per element that the tile's layout gives a thread, all of the
+    same address: the reduce, whose tile holds 16 payload bytes per thread, loaded every scale 16
+    times (72 of its 77 load instructions per thread for W = 8; 12 now)."""
+    o = tl.max(tl.max(offs, axis=2), axis=1)
+    m = tl.max(tl.max(mask.to(tl.int32), axis=2), axis=1) > 0
+    return tl.load(ptr + o, mask=m, other=other)[:, None, None]
 
 
 @triton.jit
@@ -179,19 +158,6 @@ def _soft_fp8_bits(y, MBITS: tl.constexpr, MIN_EXP: tl.constexpr, BIAS: tl.const
 
 
 @triton.jit
-def _fp8_bytes(x, scale, FP8: tl.constexpr, FMAX: tl.constexpr, MBITS: tl.constexpr, MIN_EXP: tl.constexpr,
-               BIAS: tl.constexpr, SOFT: tl.constexpr):
-    """FP8 bytes (uint8) of ``x * scale`` clamped to +-FMAX, rounded to nearest even (the hardware
-    cast, or the exact integer one when SOFT)."""
-    y = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
-    if SOFT:
-        q = _soft_fp8_bits(y, MBITS, MIN_EXP, BIAS)
-    else:
-        q = y.to(FP8).to(tl.uint8, bitcast=True)
-    return q
-
-
-@triton.jit
 def _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride,
                  sgrp_ptr, nsrc, bpc, G, inv_w, w_f,
                  FP8: tl.constexpr, BS: tl.constexpr, SOURCE: tl.constexpr, SRC_GROUPED: tl.constexpr,
@@ -207,8 +173,8 @@ def _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, r
     if SOURCE == 0:
         x = tl.load(x_ptr + b * BS + cols, mask=bmask, other=0.0)
     elif SOURCE == 1:
-        src = tl.load(src_ptr + b, mask=bmask, other=0)
-        nv = tl.load(valid_ptr + b, mask=bmask, other=0)
+        src = _row_load(src_ptr, b, bmask, 0)
+        nv = _row_load(valid_ptr, b, bmask, 0)
         x = tl.load(x_ptr + src + cols, mask=cols < nv, other=0.0).to(tl.float32)
     elif SOURCE == 3:
         if SRC_AL > 1:  # (n // a) * a: the compiler then knows n is a multiple of a
@@ -218,7 +184,7 @@ def _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, r
     else:
         poffs = b * BS + cols
         if SRC_GROUPED:
-            gidx = tl.load(sgrp_ptr + b, mask=bmask, other=0)
+            gidx = _row_load(sgrp_ptr, b, bmask, 0)
         else:
             gidx = b
         # The sum starts from -0.0, which adds exactly (-0 + a == a, signed zeros included), so every
@@ -229,18 +195,18 @@ def _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, r
         while s < nsrc:  # rank order, as the reference; a while loop also runs under older interpreters
             if UNROLL == 1:
                 if SRC_GROUPED:
-                    gidx = tl.load(sgrp_ptr + s * bpc + b, mask=bmask, other=0) - s * G
+                    gidx = _row_load(sgrp_ptr, s * bpc + b, bmask, 0) - s * G
                 q = tl.load(rp_ptr + s * rp_stride + poffs, mask=bmask, other=0)
-                si = tl.load(rs_ptr + s * rs_stride + gidx, mask=bmask, other=0.0)
+                si = _row_load(rs_ptr, s * rs_stride + gidx, bmask, 0.0)
                 x = x + q.to(FP8, bitcast=True).to(tl.float32) * si
             else:
                 for u in tl.static_range(UNROLL):
                     su = s + u
                     ok = su < nsrc
                     if SRC_GROUPED:
-                        gidx = tl.load(sgrp_ptr + su * bpc + b, mask=bmask & ok, other=0) - su * G
+                        gidx = _row_load(sgrp_ptr, su * bpc + b, bmask & ok, 0) - su * G
                     q = tl.load(rp_ptr + su * rp_stride + poffs, mask=bmask & ok, other=0)
-                    si = tl.load(rs_ptr + su * rs_stride + gidx, mask=bmask & ok, other=0.0)
+                    si = _row_load(rs_ptr, su * rs_stride + gidx, bmask & ok, 0.0)
                     # where, not an added zero: -0.0 + 0.0 would turn a -0.0 sum into +0.0
                     x = tl.where(ok, x + q.to(FP8, bitcast=True).to(tl.float32) * si, x)
             s += UNROLL
@@ -257,30 +223,22 @@ def _amax_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride
                  FP8: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr, SOURCE: tl.constexpr,
                  SRC_GROUPED: tl.constexpr, DIV_MODE: tl.constexpr, HAS_RES: tl.constexpr,
                  STORE_X: tl.constexpr, STORE_BAMAX: tl.constexpr, ATOMIC: tl.constexpr, IDX64: tl.constexpr,
-                 LW: tl.constexpr = 32, PAY_AL: tl.constexpr = 1, SRC_AL: tl.constexpr = 1, UNROLL: tl.constexpr = 1,
-                 VEC: tl.constexpr = 1):
+                 LW: tl.constexpr = 32, PAY_AL: tl.constexpr = 1, SRC_AL: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
     """Load (and optionally store) a tile of blocks, compute block amaxes, and fold them into the
-    epoch-tagged group amax with one atomic max per run of equal groups in the tile. SOURCE 4
-    (segment table in vectors of VEC elements) takes neither a residual nor STORE_X."""
+    epoch-tagged group amax with one atomic max per run of equal groups in the tile."""
     pid = tl.program_id(0)
     if PAY_AL > 1:  # (s // a) * a: the compiler then knows the stride is a multiple of a
         rp_stride = (rp_stride // PAY_AL) * PAY_AL
     b, bmask, _, _, cols = _tile(pid, nblocks, nblocks, NB, BS, LW, True, IDX64)
-    if SOURCE == 4:  # no residual, nothing stored: only the amax
-        xb, xh, xt, _, _, _, _, _, _, _, _ = _segment_vec_load(x_ptr, src_ptr, valid_ptr, b, bmask, cols, VEC)
-        a = tl.max(tl.max(_segment_vec_amax(xb, xh, xt), axis=2), axis=1)
-    else:
-        x = _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, sgrp_ptr,
-                         nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, SRC_GROUPED, DIV_MODE, SRC_AL, UNROLL)
-        eoffs = b * BS + cols
-        if HAS_RES:
-            x = x + tl.load(res_ptr + eoffs, mask=bmask, other=0.0)
-        if STORE_X:
-            tl.store(xout_ptr + eoffs, x, mask=bmask)
-        ax = tl.abs(x)
-        ax = tl.where(ax == ax, ax, float("inf"))
-        a = tl.max(tl.max(ax, axis=2), axis=1)
+    x = _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, sgrp_ptr,
+                     nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, SRC_GROUPED, DIV_MODE, SRC_AL, UNROLL)
+    eoffs = b * BS + cols
+    if HAS_RES:
+        x = x + tl.load(res_ptr + eoffs, mask=bmask, other=0.0)
+    if STORE_X:
+        tl.store(xout_ptr + eoffs, x, mask=bmask)
     if STORE_BAMAX or ATOMIC:
+        a = tl.max(tl.max(_block_amax(x), axis=2), axis=1)
         rows = tl.arange(0, NB)
         b1 = pid * NB + rows
         if IDX64:
@@ -310,52 +268,6 @@ def _amax_finish_kernel(gam_ptr, out_ptr, epoch, ngroups, GB: tl.constexpr):
     tl.store(out_ptr + gi, a, mask=gm)
 
 
-@triton.jit
-def _given_amax(b, bmask, grp_ptr, amax_ptr, AMAX_MODE: tl.constexpr):
-    """The amax of blocks ``b`` in AMAX_MODE 1 (epoch-tagged group buffer), 2 (fp32 per group) or
-    3 (fp32 per block)."""
-    if AMAX_MODE == 1:
-        g = tl.load(grp_ptr + b, mask=bmask, other=0)
-        v = tl.load(amax_ptr + g, mask=bmask, other=0)
-        amax = v.to(tl.int32).to(tl.float32, bitcast=True)
-    elif AMAX_MODE == 2:
-        g = tl.load(grp_ptr + b, mask=bmask, other=0)
-        amax = tl.load(amax_ptr + g, mask=bmask, other=0.0)
-    else:
-        amax = tl.load(amax_ptr + b, mask=bmask, other=0.0)
-    return amax
-
-
-@triton.jit
-def _quant_segment_vec(x_ptr, src_ptr, valid_ptr, b, bmask, row, lb, cols, grp_ptr, amax_ptr, pay_ptr, pay_stride,
-                       sc_ptr, sc_stride, pre_scale, FP8: tl.constexpr, FMAX: tl.constexpr, MBITS: tl.constexpr,
-                       MIN_EXP: tl.constexpr, BIAS: tl.constexpr, SOFT_FP8: tl.constexpr, BS: tl.constexpr,
-                       AMAX_MODE: tl.constexpr, VEC: tl.constexpr):
-    """Quantize blocks ``b`` read through the segment table in vectors (:func:`_segment_vec_load`).
-
-    Payload byte p of a block holds source element c = p + r, so the pieces are stored at
-    ``row base + lb * BS - r + c``: the body where c >= hu outside the tail's [ed, e) (zeros past e:
-    the body's loads gave 0 there), the head over [r, hu), the tail over its elements, and zeros for
-    the padding c in [max(e, BS), BS + r) that no piece covers. Every payload byte of the block is
-    written once, as the element-wise path writes it."""
-    xb, xh, xt, m_body, m_head, m_tail, r, hu, ed, e, t = _segment_vec_load(x_ptr, src_ptr, valid_ptr, b, bmask,
-                                                                            cols, VEC)
-    if AMAX_MODE == 0:
-        amax = _segment_vec_amax(xb, xh, xt)
-    else:
-        amax = _given_amax(b, bmask, grp_ptr, amax_ptr, AMAX_MODE)
-    scale, sinv = _scales(amax, FMAX, pre_scale)
-    prow = pay_ptr + row * pay_stride + lb * BS - r
-    tl.store(prow + cols, _fp8_bytes(xb, scale, FP8, FMAX, MBITS, MIN_EXP, BIAS, SOFT_FP8),
-             mask=bmask & (cols >= hu) & ((cols < ed) | (cols >= e)))
-    tl.store(prow + t, _fp8_bytes(xh, scale, FP8, FMAX, MBITS, MIN_EXP, BIAS, SOFT_FP8),
-             mask=bmask & (t >= r) & (t < hu))
-    tl.store(prow + ed + t, _fp8_bytes(xt, scale, FP8, FMAX, MBITS, MIN_EXP, BIAS, SOFT_FP8), mask=m_tail)
-    tl.store(prow + BS + t, tl.zeros(t.shape, tl.uint8), mask=bmask & (t < r) & (BS + t >= e))
-    if AMAX_MODE == 0 or AMAX_MODE == 3:
-        tl.store(sc_ptr + row * sc_stride + lb, sinv, mask=bmask)
-
-
 @triton.jit(do_not_specialize=["nsrc", "epoch", "seed", "nblocks", "bpc", "G", "ngroups", "rp_stride",
                                "rs_stride", "pay_stride", "sc_stride"])
 def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, nsrc, inv_w, w_f,
@@ -367,8 +279,7 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
                   SOURCE: tl.constexpr,
                   AMAX_MODE: tl.constexpr, RES_MODE: tl.constexpr, SR: tl.constexpr, DIV_MODE: tl.constexpr,
                   IDX64: tl.constexpr, LW: tl.constexpr = 32, PAY_AL: tl.constexpr = 1,
-                  ONE_WRAP: tl.constexpr = False, SRC_AL: tl.constexpr = 1, UNROLL: tl.constexpr = 1,
-                  VEC: tl.constexpr = 1):
+                  ONE_WRAP: tl.constexpr = False, SRC_AL: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
     """Quantize a tile of blocks into packed rows (payload bytes + fp32 scale_inv per group).
 
     AMAX_MODE 0: each block's own amax (block scaling, one pass); 1: the group's amax from the
@@ -384,48 +295,49 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
         pay_stride = (pay_stride // PAY_AL) * PAY_AL
         rp_stride = (rp_stride // PAY_AL) * PAY_AL
     b, bmask, row, lb, cols = _tile(pid, nblocks, bpc, NB, BS, LW, ONE_WRAP, IDX64)
-    if SOURCE == 4:
-        _quant_segment_vec(x_ptr, src_ptr, valid_ptr, b, bmask, row, lb, cols, grp_ptr, amax_ptr, pay_ptr,
-                           pay_stride, sc_ptr, sc_stride, pre_scale, FP8, FMAX, MBITS, MIN_EXP, BIAS, SOFT_FP8,
-                           BS, AMAX_MODE, VEC)
+    x = _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, grp_ptr,
+                     nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, False, DIV_MODE, SRC_AL, UNROLL)
+    eoffs = b * BS + cols
+    if RES_MODE == 1:
+        r_old = tl.load(res_ptr + eoffs, mask=bmask, other=0.0)
+        x = x + r_old
+    if AMAX_MODE == 0:
+        amax = _block_amax(x)
+    elif AMAX_MODE == 1:
+        g = _row_load(grp_ptr, b, bmask, 0)
+        v = _row_load(amax_ptr, g, bmask, 0)
+        amax = v.to(tl.int32).to(tl.float32, bitcast=True)
+    elif AMAX_MODE == 2:
+        g = _row_load(grp_ptr, b, bmask, 0)
+        amax = _row_load(amax_ptr, g, bmask, 0.0)
     else:
-        x = _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, grp_ptr,
-                         nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, False, DIV_MODE, SRC_AL, UNROLL)
-        eoffs = b * BS + cols
+        amax = _row_load(amax_ptr, b, bmask, 0.0)
+    scale, sinv = _scales(amax, FMAX, pre_scale)
+    y = x * scale
+    y = tl.minimum(tl.maximum(y, -FMAX), FMAX)
+    if SR:
+        y = _stochastic_round(y, seed, eoffs, MBITS, MIN_EXP, FMAX)
+    if SOFT_FP8 or RES_MODE != 0:
+        # With a residual the payload is also decoded in registers; on sm90 with Triton 3.6 the
+        # hardware cast then stored wrong bytes for some element pairs (measured on an H200), so the
+        # exact integer RNE cast is used there.
+        qb = _soft_fp8_bits(y, MBITS, MIN_EXP, BIAS)
+    else:
+        qb = y.to(FP8).to(tl.uint8, bitcast=True)
+    tl.store(pay_ptr + row * pay_stride + lb * BS + cols, qb, mask=bmask)
+    if AMAX_MODE == 0 or AMAX_MODE == 3:
+        tl.store(sc_ptr + row * sc_stride + lb, sinv, mask=bmask)
+    if RES_MODE != 0:
+        dq = _fp8_bits_to_f32(qb.to(tl.int32), MBITS, BIAS) * sinv
+        # A non-finite update (the group held an Inf or NaN) keeps the residual from before the
+        # step (the reference's keep_finite_).
         if RES_MODE == 1:
+            r_new = x - dq
+        else:
             r_old = tl.load(res_ptr + eoffs, mask=bmask, other=0.0)
-            x = x + r_old
-        if AMAX_MODE == 0:
-            amax = _block_amax(x)
-        else:
-            amax = _given_amax(b, bmask, grp_ptr, amax_ptr, AMAX_MODE)
-        scale, sinv = _scales(amax, FMAX, pre_scale)
-        if SR:
-            y = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
-            y = _stochastic_round(y, seed, eoffs, MBITS, MIN_EXP, FMAX)
-            if SOFT_FP8 or RES_MODE != 0:
-                qb = _soft_fp8_bits(y, MBITS, MIN_EXP, BIAS)
-            else:
-                qb = y.to(FP8).to(tl.uint8, bitcast=True)
-        else:
-            # With a residual the payload is also decoded in registers; on sm90 with Triton 3.6 the
-            # hardware cast then stored wrong bytes for some element pairs (measured on an H200), so the
-            # exact integer RNE cast is used there.
-            qb = _fp8_bytes(x, scale, FP8, FMAX, MBITS, MIN_EXP, BIAS, SOFT_FP8 or RES_MODE != 0)
-        tl.store(pay_ptr + row * pay_stride + lb * BS + cols, qb, mask=bmask)
-        if AMAX_MODE == 0 or AMAX_MODE == 3:
-            tl.store(sc_ptr + row * sc_stride + lb, sinv, mask=bmask)
-        if RES_MODE != 0:
-            dq = _fp8_bits_to_f32(qb.to(tl.int32), MBITS, BIAS) * sinv
-            # A non-finite update (the group held an Inf or NaN) keeps the residual from before the
-            # step (the reference's keep_finite_).
-            if RES_MODE == 1:
-                r_new = x - dq
-            else:
-                r_old = tl.load(res_ptr + eoffs, mask=bmask, other=0.0)
-                r_new = r_old + (x - dq) * res_scale
-            r_new = tl.where(tl.abs(r_new) < float("inf"), r_new, r_old)
-            tl.store(res_ptr + eoffs, r_new, mask=bmask)
+            r_new = r_old + (x - dq) * res_scale
+        r_new = tl.where(tl.abs(r_new) < float("inf"), r_new, r_old)
+        tl.store(res_ptr + eoffs, r_new, mask=bmask)
     if AMAX_MODE == 1 or AMAX_MODE == 2:
         if pid * GB < ngroups:
             gi = pid * GB + tl.arange(0, GB)
@@ -448,7 +360,7 @@ def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr,
                     GROUPED: tl.constexpr = False, SEGMENTED: tl.constexpr = False, IDX64: tl.constexpr = False,
                     CONTIG: tl.constexpr = False, LW: tl.constexpr = 32, PAY_AL: tl.constexpr = 1,
                     ONE_WRAP: tl.constexpr = False, DIV_MODE: tl.constexpr = 0, COUNT_SAT: tl.constexpr = False,
-                    FMAX: tl.constexpr = 0.0, VEC: tl.constexpr = 0):
+                    FMAX: tl.constexpr = 0.0):
     """``q * scale_inv`` per block of packed rows, into a dense fp32 buffer or (SEGMENTED) straight
     into the unpadded bucket in its dtype, skipping padding. An FP8 sum's last stage adds: DIV_MODE
     1/2, the mean as the reference takes it (times ``inv_w`` / IEEE division by ``w_f``, after the
@@ -459,79 +371,27 @@ def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr,
         pay_stride = (pay_stride // PAY_AL) * PAY_AL
     b, bmask, row, lb, cols = _tile(pid, nblocks, bpc, NB, BS, LW, ONE_WRAP, IDX64)
     if GROUPED:
-        gl = tl.load(grp_ptr + b, mask=bmask, other=0) - row * G
+        gl = _row_load(grp_ptr, b, bmask, 0) - row * G
     else:
         gl = lb
-    si = tl.load(sc_ptr + row * sc_stride + gl, mask=bmask, other=0.0)
-    prow = pay_ptr + row * pay_stride + lb * BS
-    if SEGMENTED and VEC > 0 and not CONTIG:
-        # Element c of a block's aligned source span (see _segment_vec_load) is payload byte c - r:
-        # the body is stored in VEC-element vectors, the head and tail element-wise.
-        src = tl.load(src_ptr + b, mask=bmask, other=0)
-        nv = tl.load(valid_ptr + b, mask=bmask, other=0)
-        a = (src // VEC) * VEC
-        r = src - a
-        e = r + nv
-        hu = ((r + (VEC - 1)) // VEC) * VEC
-        ed = (e // VEC) * VEC
-        t = tl.arange(0, VEC)[None, None, :]
-        base = out_ptr + a
-        prow = prow - r
-        n = _dequant_piece(prow, base, cols, bmask & (cols >= hu) & (cols < ed), si, inv_w, w_f, FP8, DIV_MODE,
-                           COUNT_SAT, FMAX)
-        n += _dequant_piece(prow, base, t, bmask & (t >= r) & (t < tl.minimum(hu, e)), si, inv_w, w_f, FP8,
-                            DIV_MODE, COUNT_SAT, FMAX)
-        n += _dequant_piece(prow, base, ed + t, bmask & (ed + t >= hu) & (ed + t < e), si, inv_w, w_f, FP8,
-                            DIV_MODE, COUNT_SAT, FMAX)
-    else:
-        q = tl.load(prow + cols, mask=bmask, other=0)
-        qf = q.to(FP8, bitcast=True).to(tl.float32)
-        v = qf * si
-        n = _count_saturated(qf, v, bmask, COUNT_SAT, FMAX)
-        v = _mean_of_sum(v, inv_w, w_f, DIV_MODE)
-        if CONTIG:  # one run from offset 0: plain stores of the first nvalid elements
-            eo = b * BS + cols
-            tl.store(out_ptr + eo, v.to(out_ptr.dtype.element_ty), mask=bmask & (eo < nvalid))
-        elif SEGMENTED:
-            src = tl.load(src_ptr + b, mask=bmask, other=0)
-            nv = tl.load(valid_ptr + b, mask=bmask, other=0)
-            tl.store(out_ptr + src + cols, v.to(out_ptr.dtype.element_ty), mask=cols < nv)
-        else:
-            tl.store(out_ptr + b * BS + cols, v, mask=bmask)
+    q = tl.load(pay_ptr + row * pay_stride + lb * BS + cols, mask=bmask, other=0)
+    si = _row_load(sc_ptr, row * sc_stride + gl, bmask, 0.0)
+    qf = q.to(FP8, bitcast=True).to(tl.float32)
+    v = qf * si
     if COUNT_SAT:
+        sat = (tl.abs(qf) >= FMAX) & (v == v) & bmask
+        n = tl.sum(tl.sum(tl.sum(sat.to(tl.int32), axis=1), axis=1), axis=0)  # in-thread axis first
         tl.atomic_add(sat_ptr, n.to(tl.int64), sem="relaxed")
-
-
-@triton.jit
-def _count_saturated(qf, v, m, COUNT_SAT: tl.constexpr, FMAX: tl.constexpr):
-    """How many of the FP8 values ``qf`` (where ``m``) are at +-FMAX with a non-NaN dequantized
-    value ``v`` (an int32 scalar; 0 unless COUNT_SAT)."""
-    n = 0
-    if COUNT_SAT:
-        sat = (tl.abs(qf) >= FMAX) & (v == v) & m
-        n = tl.sum(tl.sum(tl.sum(sat.to(tl.int32), axis=2), axis=1), axis=0)
-    return n
-
-
-@triton.jit
-def _mean_of_sum(v, inv_w, w_f, DIV_MODE: tl.constexpr):
-    """``v`` divided by W as the reference divides (DIV_MODE 1: times ``inv_w``; 2: IEEE division
-    by ``w_f``; 0: unchanged)."""
     if DIV_MODE == 1:
         v = v * inv_w
     elif DIV_MODE == 2:
         v = tl.math.div_rn(v, tl.full(v.shape, 1.0, tl.float32) * w_f)
-    return v
-
-
-@triton.jit
-def _dequant_piece(prow, base, c, m, si, inv_w, w_f, FP8: tl.constexpr, DIV_MODE: tl.constexpr,
-                   COUNT_SAT: tl.constexpr, FMAX: tl.constexpr):
-    """Dequantize payload bytes ``prow + c`` (where ``m``) into ``base + c`` in its dtype; returns
-    the saturated count of :func:`_count_saturated`."""
-    qf = tl.load(prow + c, mask=m, other=0).to(FP8, bitcast=True).to(tl.float32)
-    v = qf * si
-    n = _count_saturated(qf, v, m, COUNT_SAT, FMAX)
-    v = _mean_of_sum(v, inv_w, w_f, DIV_MODE)
-    tl.store(base + c, v.to(base.dtype.element_ty), mask=m)
-    return n
+    if CONTIG:  # one run from offset 0: plain stores of the first nvalid elements
+        eo = b * BS + cols
+        tl.store(out_ptr + eo, v.to(out_ptr.dtype.element_ty), mask=bmask & (eo < nvalid))
+    elif SEGMENTED:
+        src = _row_load(src_ptr, b, bmask, 0)
+        nv = _row_load(valid_ptr, b, bmask, 0)
+        tl.store(out_ptr + src + cols, v.to(out_ptr.dtype.element_ty), mask=cols < nv)
+    else:
+        tl.store(out_ptr + b * BS + cols, v, mask=bmask)
