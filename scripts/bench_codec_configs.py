@@ -35,6 +35,9 @@ SEGMENT_CONFIGS = [
     ("tile 2048", {"_SEGMENT_TILE": 2048}),
     ("tile 2048 8 warps", {"_SEGMENT_TILE": 2048, "warps": 8}),
     ("tile 1024", {"_SEGMENT_TILE": 1024}),
+    ("tile 2048 lanes 16", {"_SEGMENT_TILE": 2048, "_SEGMENT_LANES": 16}),
+    ("tile 2048 lanes 8", {"_SEGMENT_TILE": 2048, "_SEGMENT_LANES": 8}),
+    ("tile 4096 lanes 16", {"_SEGMENT_TILE": 4096, "_SEGMENT_LANES": 16}),
 ]
 REDUCE_CONFIGS = [("default", {})] + [
     (f"payload align {al} unroll {u} tile {t} {w} warps lanes {ln}",

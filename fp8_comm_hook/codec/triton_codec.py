@@ -46,6 +46,9 @@ __all__ = ["TritonCodec"]
 # The block-scaled reduce may promise payload rows aligned to 16 bytes where their strides allow:
 # each thread then reads 16 payload bytes of a source in one load.
 _RECV_PAY_AL = 16
+# Lanes per block row where the bucket is read or written through the segment table: a block's
+# amax crosses log2(lanes) lanes per row a thread holds.
+_SEGMENT_LANES = 32
 
 
 def _quant_tile(contig: Optional[int]) -> int:
@@ -93,9 +96,11 @@ def _tile_args(block_size: int, bpc: int, nb: int, strides=(), unaligned: bool =
     one block; ``lanes``, capped at the block size), ONE_WRAP when a tile crosses at most one
     packed-row boundary, and PAY_AL, the byte alignment promised for the payload row strides, at
     most ``max_al`` (1 when the source is read unaligned: then no access of the tile is widened, and
-    the unaligned loads stay coalesced)."""
+    the unaligned loads stay coalesced; LW is then :data:`_SEGMENT_LANES`)."""
     al = 1
-    if not unaligned:
+    if unaligned:
+        lanes = _SEGMENT_LANES
+    else:
         for p in (16, 8, 4, 2):
             if p <= max_al and all(int(s) % p == 0 for s in strides):
                 al = p
