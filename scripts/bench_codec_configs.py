@@ -1,12 +1,13 @@
 #!/usr/bin/env python
 """Launch configurations of the Triton codec's kernels, side by side on one GPU.
 
-For each op and bucket this times the kernels under several launch configurations (elements and
-warps per program of the segment-table encode and decode; for the reduce, the payload alignment
-promised, received chunks in flight, elements and warps per program, lanes per block row) in the same run, checks that every configuration writes the torch
-reference's bytes, and prints each one's GPU time and fraction of the copy ceiling beside the
-codec's current default. It is how the defaults in ``fp8_comm_hook/codec/triton_codec.py`` were
-chosen; rerun it on a new GPU before changing them.
+For each op and bucket this times the kernels under several launch configurations in the same run
+(for the segment-table encode and decode of odd buckets: elements, warps and lanes per program; for
+the reduce: the payload alignment promised, received chunks in flight, elements and warps per
+program), checks that every configuration writes the torch reference's bytes, and prints each one's
+GPU time and fraction of the copy ceiling beside the codec's current default. It is how the launch
+constants in ``fp8_comm_hook/codec/triton_kernels.py`` were chosen; rerun it on a new GPU before
+changing them.
 
     python scripts/bench_codec_configs.py --out benchmarks/results/codec-configs-h200
 

@@ -35,22 +35,15 @@ from ..geometry import ScaleGroups
 from .base import Codec
 from .triton_kernels import (_AMAX_EPOCH_GROUP, _AMAX_F32_BLOCK, _AMAX_F32_GROUP, _AMAX_MAX_BLOCKS, _AMAX_TILE,
                              _AMAX_TILE_BLOCK, _DIV_NONE, _DIV_RECIPROCAL, _DIV_TRUE, _EPOCH_LIMIT,
-                             _GROUPS_PER_PROGRAM, _INT32_SAFE, _INTERPRET, _QUANT_TILE, _RECV_LANES, _SEGMENT_TILE,
-                             _RECV_UNROLL, _RES_ENCODE, _RES_FOLD, _RES_NONE, _SRC_CONTIG, _SRC_DENSE, _SRC_RECV,
-                             _SRC_SEGMENTS, _amax_finish_kernel, _amax_kernel, _dequant_kernel, _quant_kernel)
+                             _GROUPS_PER_PROGRAM, _INT32_SAFE, _INTERPRET, _QUANT_TILE, _RECV_LANES, _RECV_PAY_AL,
+                             _RECV_UNROLL, _RES_ENCODE, _RES_FOLD, _RES_NONE, _SEGMENT_LANES, _SEGMENT_TILE,
+                             _SRC_CONTIG, _SRC_DENSE, _SRC_RECV, _SRC_SEGMENTS, _amax_finish_kernel, _amax_kernel,
+                             _dequant_kernel, _quant_kernel)
 
 __all__ = ["TritonCodec"]
 
 
 # ---------------------------------------------------------------------------------------- host side
-# The block-scaled reduce may promise payload rows aligned to 16 bytes where their strides allow:
-# each thread then reads 16 payload bytes of a source in one load.
-_RECV_PAY_AL = 16
-# Lanes per block row where the bucket is read or written through the segment table: a block's
-# amax crosses log2(lanes) lanes per row a thread holds.
-_SEGMENT_LANES = 32
-
-
 def _quant_tile(contig: Optional[int]) -> int:
     """Elements per program of a launch reading or writing the bucket: :data:`_SEGMENT_TILE` through
     the segment table (``contig`` None), else :data:`_QUANT_TILE`. Measured on an H100 (odd
