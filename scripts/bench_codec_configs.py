@@ -2,7 +2,8 @@
 """Launch configurations of the Triton codec's kernels, side by side on one GPU.
 
 For each op and bucket this times the kernels under several launch configurations in the same run
-(for the segment-table encode and decode of odd buckets: elements, warps and lanes per program; for
+(for the segment-table encode and decode of odd buckets: elements, warps and lanes per program, one
+launch per alignment class of blocks; for
 the reduce: the payload alignment promised, received chunks in flight, elements and warps per
 program), checks that every configuration writes the torch reference's bytes, and prints each one's
 GPU time and fraction of the copy ceiling beside the codec's current default. It is how the launch
@@ -39,6 +40,8 @@ SEGMENT_CONFIGS = [
     ("tile 2048 lanes 16", {"_SEGMENT_TILE": 2048, "_SEGMENT_LANES": 16}),
     ("tile 2048 lanes 8", {"_SEGMENT_TILE": 2048, "_SEGMENT_LANES": 8}),
     ("tile 4096 lanes 16", {"_SEGMENT_TILE": 4096, "_SEGMENT_LANES": 16}),
+    ("classes", {"SEGMENT_CLASSES": True}),
+    ("classes tile 4096", {"SEGMENT_CLASSES": True, "_SEGMENT_TILE": 4096}),
 ]
 REDUCE_CONFIGS = [("default", {})] + [
     (f"payload align {al} unroll {u} tile {t} {w} warps lanes {ln}",

@@ -16,7 +16,7 @@ import pytest
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CHECKS = ["soft_cast", "encode", "reduce_decode", "primitives", "nonfinite", "stochastic"]
+CHECKS = ["soft_cast", "encode", "reduce_decode", "primitives", "nonfinite", "stochastic", "segment_classes"]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the interpreter test needs it "
@@ -213,6 +213,57 @@ def _child(check):  # pragma: no cover - runs in the subprocess
                 assert int(torch.isnan(sb).sum()) > 0
                 fin = ~torch.isnan(sa)
                 assert torch.equal(sa[fin], sb[fin])
+
+    elif check == "segment_classes":
+        # One launch per alignment class of blocks (SEGMENT_CLASSES, off by default): full blocks
+        # whose source offset is a multiple of 2, 4, 8 elements are read and written in vectors.
+        from fp8_comm_hook.codec import triton_codec as tcodec
+        tcodec.SEGMENT_CLASSES = True
+        aligned_seen = set()
+        plain_launch = TritonCodec._launch
+
+        def record(kernel, grid, device, *args, **kwargs):
+            if kwargs.get("LISTED"):
+                aligned_seen.add(kwargs["SRC_AL"])
+            return plain_launch(kernel, grid, device, *args, **kwargs)
+
+        TritonCodec._launch = staticmethod(record)
+        # parameters starting at offsets of every residue modulo 8, partial last blocks, tiny ones
+        buckets = [[256, 130, 512, 8, 1000, 2, 640], [3, 1, 2, 7, 300], [2000, 5, 129], [127, 3]]
+        for scaling in SCALINGS:
+            for dtype in (torch.float32, torch.bfloat16):
+                for numels in buckets:
+                    for W, bs in ((2, 128), (3, 16)):
+                        for with_res in (False, True):
+                            La, n = layout(numels, W, W - 1, scaling, dtype, bs)
+                            Lb, _ = layout(numels, W, W - 1, scaling, dtype, bs)
+                            flat = sample(n, dtype, ("gauss", "heavy", "outlier")[len(numels) % 3])
+                            ra = rb = None
+                            if with_res:
+                                ra = La.ensure_residual()
+                                for i in range(len(numels)):
+                                    La.segment(ra, i).copy_(torch.randn(numels[i]) * 0.01)
+                                rb = Lb.ensure_residual()
+                                rb.copy_(ra)
+                            what = f"classes {scaling} {dtype} {numels} W={W} bs={bs} res={with_res}"
+                            TorchCodec(get_format("e4m3")).encode(flat, La, ra)
+                            Lb.send.fill_(0xFF)
+                            TritonCodec(get_format("e4m3")).encode(flat, Lb, rb)
+                            same_bytes(Lb.send, La.send, "encode " + what)
+                            if with_res:
+                                assert torch.equal(ra, rb), what + ": residual differs"
+                            La.gather_out.copy_(La.send)
+                            Lb.gather_out.copy_(La.send)
+                            fa = torch.full((n,), 7.0, dtype=dtype)
+                            fb = fa.clone()
+                            TorchCodec(get_format("e4m3")).decode(La, fa)
+                            TritonCodec(get_format("e4m3")).decode(Lb, fb)
+                            if dtype == torch.float32:
+                                assert torch.equal(fa, fb), "decode " + what
+                            else:
+                                torch.testing.assert_close(fb.float(), fa.float(), rtol=2 ** -7, atol=0,
+                                                           msg="decode " + what)
+        assert aligned_seen >= {1, 2, 4, 8}, aligned_seen
 
     elif check == "stochastic":
         fmt = get_format("e4m3")

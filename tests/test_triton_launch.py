@@ -58,3 +58,34 @@ def test_segment_table_launches_use_their_own_tile(tc, monkeypatch):
 @pytest.mark.parametrize("n,al", [(64, 16), (40, 8), (12, 4), (6, 2), (7, 1), (None, 1), (0, 1)])
 def test_contiguous_source_alignment(tc, n, al):
     assert tc._src_al(n) == al
+
+
+@pytest.mark.parametrize("esize,vec", [(4, 4), (2, 8)])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_segment_classes_partition_the_blocks_by_source_alignment(tc, esize, vec, block_size):
+    """Every block is in exactly one class; a block in class a > 1 is full and its source offset is
+    a multiple of a (the kernels read it in vectors of a elements without a mask); class 1 holds
+    every partial or padding block."""
+    import torch
+    from fp8_comm_hook.layout import BucketLayout
+    numels = [256, 130, 512, 8, 1000, 2, 640, 33, 4096]
+    offs = [sum(numels[:i]) for i in range(len(numels))]
+    dtype = torch.float32 if esize == 4 else torch.bfloat16
+    L = BucketLayout(numels, offs, [f"p{i}" for i in range(len(numels))], 3, 0, block_size, "block", sum(numels),
+                     dtype, "cpu")
+    P = tc._Plan(L)
+    order, classes = P.classes(esize, block_size)
+    assert sorted(order.tolist()) == list(range(P.nblocks))
+    assert [a for a, _, _ in classes] == sorted({a for a, _, _ in classes}, reverse=True)
+    src, valid = P.src.tolist(), P.valid.tolist()
+    seen = set()
+    for a, start, count in classes:
+        assert a in (1, 2, 4, 8) and a <= vec
+        for b in order[start:start + count].tolist():
+            if a > 1:
+                assert valid[b] == block_size and src[b] % a == 0, (a, b, src[b], valid[b])
+            else:  # class 1: what no wider class may take
+                assert valid[b] < block_size or src[b] % 2 == 1, (b, src[b], valid[b])
+            seen.add(a)
+    assert 1 in seen and vec in seen
+    assert P.classes(esize, block_size)[0] is order  # derived once per element size

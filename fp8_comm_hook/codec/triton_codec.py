@@ -37,6 +37,7 @@ from .triton_kernels import (_AMAX_EPOCH_GROUP, _AMAX_F32_BLOCK, _AMAX_F32_GROUP
                              _AMAX_TILE_BLOCK, _DIV_NONE, _DIV_RECIPROCAL, _DIV_TRUE, _EPOCH_LIMIT,
                              _GROUPS_PER_PROGRAM, _INT32_SAFE, _INTERPRET, _QUANT_TILE, _RECV_LANES, _RECV_PAY_AL,
                              _RECV_UNROLL, _RES_ENCODE, _RES_FOLD, _RES_NONE, _SEGMENT_LANES, _SEGMENT_TILE,
+                             SEGMENT_CLASSES,
                              _SRC_CONTIG, _SRC_DENSE, _SRC_RECV, _SRC_SEGMENTS, _amax_finish_kernel, _amax_kernel,
                              _dequant_kernel, _quant_kernel)
 
@@ -164,6 +165,8 @@ class _Plan:
             valid[first:first + nblk] = (n - k).clamp_(max=bs).to(torch.int32)
         dev = L.device
         self.idx64 = big
+        self._src_cpu, self._valid_cpu = src, valid  # for classes()
+        self._classes = {}
         self.src = src.to(idx_dtype).to(dev)
         self.valid = valid.to(dev)
         self.nblocks = nblocks
@@ -183,6 +186,29 @@ class _Plan:
         # cached here: a pooled layout (FSDP) rebinds them to other storage between calls.
         self.row_words = L.chunk_bytes // 4
         self.scale_word0 = C // 4
+
+    def classes(self, esize: int, block_size: int):
+        """(block order, [(alignment, start, count)]) for a bucket of ``esize``-byte elements read
+        through the segment table: the blocks grouped by class, the largest first. A full block
+        whose source offset is a multiple of a (2, 4, ... up to 16 bytes of elements) is in class
+        a; every other block (a parameter's last, partial block, padding, an odd offset) in class 1."""
+        c = self._classes.get(esize)
+        if c is None:
+            vec = max(1, 16 // esize)
+            full = self._valid_cpu == block_size
+            al = torch.ones_like(self._src_cpu)
+            a = 2
+            while a <= vec:
+                al = torch.where(full & (self._src_cpu % a == 0), torch.full_like(al, a), al)
+                a *= 2
+            order, classes, start = [], [], 0
+            for a in sorted(set(al.tolist()), reverse=True):
+                ids = torch.nonzero(al == a).flatten()
+                order.append(ids)
+                classes.append((int(a), start, ids.numel()))
+                start += ids.numel()
+            c = self._classes[esize] = (torch.cat(order).to(self.src.dtype).to(self.src.device), classes)
+        return c
 
     def next_epoch(self, key: str) -> int:
         """The epoch for the next use of amax buffer ``key`` (rezeroing it once every 2^31 calls)."""
@@ -365,10 +391,28 @@ class TritonCodec(Codec):
         return out
 
     # ------------------------------------------------------------------ two_shot's fused stages
+    @staticmethod
+    def _block_launches(P: "_Plan", flat: torch.Tensor, bs: int, bpc: int, nb: int, strides, lanes: int = 32):
+        """[(program count, launch arguments)] of a stage over every block of the bucket ``flat``: one
+        launch, or, for a bucket read through the segment table with :data:`SEGMENT_CLASSES` on, one
+        per class of blocks (:meth:`_Plan.classes`): full blocks whose source offset is a multiple of
+        2, 4, ... elements (up to 16 bytes) are read and written in vectors of that many, the rest
+        element-wise."""
+        if P.contig is not None or not SEGMENT_CLASSES:
+            return [(triton.cdiv(P.nblocks, nb),
+                     dict(SRC_AL=_src_al(P.contig), **_tile_args(bs, bpc, nb, strides, unaligned=P.contig is None,
+                                                                 lanes=lanes)))]
+        order, classes = P.classes(flat.element_size(), bs)
+        return [(triton.cdiv(count, nb),
+                 dict(SRC_AL=a, LISTED=True, blk_ptr=order[start:start + count], blk_count=count,
+                      **_tile_args(bs, bpc, nb, strides, unaligned=a == 1, lanes=lanes)))
+                for a, start, count in classes]
+
     def encode(self, flat: torch.Tensor, layout, residual: Optional[torch.Tensor] = None,
                generator: Optional[torch.Generator] = None) -> None:
         """Quantize the unpadded bucket ``flat`` (plus ``residual``) straight into ``layout.send``:
-        one launch for block scaling, two for tensor/bucket scaling."""
+        one launch for block scaling, two for tensor/bucket scaling (the quantize launch split per
+        class of blocks with :data:`SEGMENT_CLASSES`: :meth:`_block_launches`)."""
         L, P = layout, self._plan(layout)
         if not flat.is_contiguous():
             raise ValueError("encode needs a contiguous flat bucket")
@@ -381,16 +425,16 @@ class TritonCodec(Codec):
         nbq = _blocks_per_program(bs, _quant_tile(P.contig))
         source, nsrc = (_SRC_CONTIG, P.contig) if P.contig is not None else (_SRC_SEGMENTS, 1)
         src_al = _src_al(P.contig)
-        common = dict(BS=bs, SR=self.stochastic_rounding, DIV_MODE=_DIV_NONE, IDX64=P.idx64, SRC_AL=src_al,
-                      **self._consts(), **_tile_args(bs, L.blocks_per_chunk, nbq, (L.chunk_bytes,),
-                                                     unaligned=P.contig is None))
+        common = dict(BS=bs, SR=self.stochastic_rounding, DIV_MODE=_DIV_NONE, IDX64=P.idx64, **self._consts())
+        launches = self._block_launches(P, flat, bs, L.blocks_per_chunk, nbq, (L.chunk_bytes,))
         if L.scaling == "block":
-            self._launch(_quant_kernel, (triton.cdiv(P.nblocks, nbq),), dev,
-                         flat, P.src, P.valid, pay, 0, sc, 0, nsrc, 1.0, 1.0, P.valid, P.valid, 0, res, 1.0,
-                         pay, L.chunk_bytes, sc[:, P.scale_word0:], P.row_words,
-                         P.nblocks, L.blocks_per_chunk, L.groups.groups_per_row, L.groups.num_groups, 1.0, seed,
-                         NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=source, AMAX_MODE=_AMAX_TILE_BLOCK,
-                         RES_MODE=res_mode, num_warps=_encode_warps(nbq, bs, flat, P.contig), **common)
+            for nprog, extra in launches:
+                self._launch(_quant_kernel, (nprog,), dev,
+                             flat, P.src, P.valid, pay, 0, sc, 0, nsrc, 1.0, 1.0, P.valid, P.valid, 0, res, 1.0,
+                             pay, L.chunk_bytes, sc[:, P.scale_word0:], P.row_words,
+                             P.nblocks, L.blocks_per_chunk, L.groups.groups_per_row, L.groups.num_groups, 1.0, seed,
+                             NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=source, AMAX_MODE=_AMAX_TILE_BLOCK,
+                             RES_MODE=res_mode, num_warps=_encode_warps(nbq, bs, flat, P.contig), **common, **extra)
             return
         G, ng = L.groups.groups_per_row, L.groups.num_groups
         epoch = P.next_epoch("enc")
@@ -401,13 +445,14 @@ class TritonCodec(Codec):
                      FP8=self._fp8, BS=bs, NB=nba, SOURCE=source, SRC_GROUPED=False, DIV_MODE=_DIV_NONE,
                      HAS_RES=residual is not None, STORE_X=False, STORE_BAMAX=False, ATOMIC=True, IDX64=P.idx64,
                      num_warps=_warps(nba, bs), LW=min(bs, 32), SRC_AL=src_al)
-        nprog = max(triton.cdiv(P.nblocks, nbq), triton.cdiv(ng, _GROUPS_PER_PROGRAM))
-        self._launch(_quant_kernel, (nprog,), dev,
-                     flat, P.src, P.valid, pay, 0, sc, 0, nsrc, 1.0, 1.0, P.grp, P.gam_enc, epoch, res, 1.0,
-                     pay, L.chunk_bytes, sc[:, P.scale_word0:], P.row_words,
-                     P.nblocks, L.blocks_per_chunk, G, ng, 1.0, seed,
-                     NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=source, AMAX_MODE=_AMAX_EPOCH_GROUP,
-                     RES_MODE=res_mode, num_warps=_warps(nbq, bs), **common)
+        for i, (nprog, extra) in enumerate(launches):
+            ngi = ng if i == 0 else 0  # the first launch also writes every group's scale_inv
+            self._launch(_quant_kernel, (max(nprog, triton.cdiv(ngi, _GROUPS_PER_PROGRAM)),), dev,
+                         flat, P.src, P.valid, pay, 0, sc, 0, nsrc, 1.0, 1.0, P.grp, P.gam_enc, epoch, res, 1.0,
+                         pay, L.chunk_bytes, sc[:, P.scale_word0:], P.row_words,
+                         P.nblocks, L.blocks_per_chunk, G, ngi, 1.0, seed,
+                         NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=source, AMAX_MODE=_AMAX_EPOCH_GROUP,
+                         RES_MODE=res_mode, num_warps=_warps(nbq, bs), **common, **extra)
 
     def reduce_shard(self, layout, residual: Optional[torch.Tensor] = None,
                      generator: Optional[torch.Generator] = None) -> None:
@@ -536,7 +581,8 @@ class TritonCodec(Codec):
         return flat
 
     def decode(self, layout, flat: torch.Tensor) -> torch.Tensor:
-        """Dequantize ``gather_out`` straight into the bucket ``flat`` in its dtype (one launch)."""
+        """Dequantize ``gather_out`` straight into the bucket ``flat`` in its dtype (one launch, or
+        one per class of blocks: :meth:`_block_launches`)."""
         L, P = layout, self._plan(layout)
         if not flat.is_contiguous():
             raise ValueError("decode needs a contiguous flat bucket")
@@ -547,12 +593,12 @@ class TritonCodec(Codec):
         # stores in flight (0.92 of copy against 0.87 at 64M); bf16 and segmented buckets keep 8 x 32
         wide = (16, 128) if P.contig is not None and flat.dtype == torch.float32 and _warps(nb, bs) == 8 else \
             (_warps(nb, bs), 32)
-        self._launch(_dequant_kernel, (triton.cdiv(P.nblocks, nb),), flat.device,
-                     L.gather_out, L.chunk_bytes, L.gather_out.view(torch.float32)[:, P.scale_word0:], P.row_words,
-                     P.grp if grouped else P.valid, L.groups.groups_per_row, flat, P.src, P.valid,
-                     P.nblocks, L.blocks_per_chunk, P.contig or 0,
-                     FP8=self._fp8, BS=bs, NB=nb, GROUPED=grouped, SEGMENTED=True, IDX64=P.idx64,
-                     CONTIG=P.contig is not None, num_warps=wide[0],
-                     **_tile_args(bs, L.blocks_per_chunk, nb, (L.chunk_bytes,), unaligned=P.contig is None,
-                                  lanes=wide[1]))
+        for nprog, extra in self._block_launches(P, flat, bs, L.blocks_per_chunk, nb, (L.chunk_bytes,),
+                                                 lanes=wide[1]):
+            self._launch(_dequant_kernel, (nprog,), flat.device,
+                         L.gather_out, L.chunk_bytes, L.gather_out.view(torch.float32)[:, P.scale_word0:],
+                         P.row_words, P.grp if grouped else P.valid, L.groups.groups_per_row, flat, P.src, P.valid,
+                         P.nblocks, L.blocks_per_chunk, P.contig or 0,
+                         FP8=self._fp8, BS=bs, NB=nb, GROUPED=grouped, SEGMENTED=True, IDX64=P.idx64,
+                         CONTIG=P.contig is not None, num_warps=wide[0], **extra)
         return flat

@@ -21,6 +21,9 @@ _RECV_UNROLL = 4         # received chunks whose loads one iteration of the sum 
 _RECV_LANES = 128        # lanes per block row of the block-scaled dequantize-sum-requantize
 _RECV_PAY_AL = 16        # ... which may promise 16-byte payload rows where their strides allow
 _SEGMENT_LANES = 32      # lanes per block row where the bucket is read through the segment table
+# Off until measured on a GPU: a bucket read through the segment table is encoded and decoded in one
+# launch per alignment class of its blocks (TritonCodec._block_launches) instead of one launch.
+SEGMENT_CLASSES = False
 _EPOCH_LIMIT = 2 ** 31 - 1
 _INT32_SAFE = 2 ** 31 - 2 ** 20
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -111,6 +114,21 @@ def _tile(pid, nblocks, bpc, NB: tl.constexpr, BS: tl.constexpr, LW: tl.constexp
 
 
 @triton.jit
+def _listed_tile(pid, blk_ptr, blk_count, bpc, NB: tl.constexpr, BS: tl.constexpr, LW: tl.constexpr):
+    """:func:`_tile` for a launch over a list of blocks: program ``pid`` takes list entries
+    [pid * NB, pid * NB + NB) of ``blk_ptr`` (``blk_count`` entries). Same return values."""
+    KS: tl.constexpr = BS // LW
+    i = pid * NB + tl.arange(0, NB)
+    m = i < blk_count
+    b = tl.load(blk_ptr + i, mask=m, other=0)[:, None, None]
+    bmask = m[:, None, None]
+    row = b // bpc
+    lb = b - row * bpc
+    cols = tl.arange(0, KS)[None, :, None] * LW + tl.arange(0, LW)[None, None, :]
+    return b, bmask, row, lb, cols
+
+
+@triton.jit
 def _row_load(ptr, offs, mask, other):
     """``ptr[offs]`` where ``mask``, for offsets and mask of shape [NB, 1, 1] (one value per block
     row: a scale, a segment-table entry, a group index), loaded as a 1-D tensor and expanded back.
@@ -170,14 +188,20 @@ def _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, r
 
     SRC_AL (contiguous source): a power of two ``nsrc`` is promised to be a multiple of; the element
     mask is then constant over SRC_AL elements and the loads vectorise (a bf16 bucket otherwise
-    issues twice the load instructions per byte of an fp32 one). UNROLL (received chunks): sources
+    issues twice the load instructions per byte of an fp32 one). With the segment table, a SRC_AL
+    above 1 promises full blocks whose source offsets are multiples of it (a listed launch).
+    UNROLL (received chunks): sources
     loaded per iteration, so that their loads are in flight together; still summed in rank order."""
     if SOURCE == 0:
         x = tl.load(x_ptr + b * BS + cols, mask=bmask, other=0.0)
     elif SOURCE == 1:
         src = _row_load(src_ptr, b, bmask, 0)
-        nv = _row_load(valid_ptr, b, bmask, 0)
-        x = tl.load(x_ptr + src + cols, mask=cols < nv, other=0.0).to(tl.float32)
+        if SRC_AL > 1:  # a listed launch over full blocks whose source is a multiple of SRC_AL
+            src = (src // SRC_AL) * SRC_AL
+            x = tl.load(x_ptr + src + cols, mask=bmask, other=0.0).to(tl.float32)
+        else:
+            nv = _row_load(valid_ptr, b, bmask, 0)
+            x = tl.load(x_ptr + src + cols, mask=cols < nv, other=0.0).to(tl.float32)
     elif SOURCE == 3:
         if SRC_AL > 1:  # (n // a) * a: the compiler then knows n is a multiple of a
             nsrc = (nsrc // SRC_AL) * SRC_AL
@@ -281,7 +305,8 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
                   SOURCE: tl.constexpr,
                   AMAX_MODE: tl.constexpr, RES_MODE: tl.constexpr, SR: tl.constexpr, DIV_MODE: tl.constexpr,
                   IDX64: tl.constexpr, LW: tl.constexpr = 32, PAY_AL: tl.constexpr = 1,
-                  ONE_WRAP: tl.constexpr = False, SRC_AL: tl.constexpr = 1, UNROLL: tl.constexpr = 1):
+                  ONE_WRAP: tl.constexpr = False, SRC_AL: tl.constexpr = 1, UNROLL: tl.constexpr = 1,
+                  blk_ptr=None, blk_count=0, LISTED: tl.constexpr = False):
     """Quantize a tile of blocks into packed rows (payload bytes + fp32 scale_inv per group).
 
     AMAX_MODE 0: each block's own amax (block scaling, one pass); 1: the group's amax from the
@@ -291,12 +316,17 @@ def _quant_kernel(x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_strid
     In both, a residual element whose new value is not finite keeps its old one.
     PAY_AL: the byte alignment promised for payload rows (their stride); 1 where the source is read
     unaligned, so that no access is widened past what the unaligned loads can coalesce.
+    LISTED: the program's blocks come from the list ``blk_ptr`` (``blk_count`` entries), one launch
+    per class of blocks (:meth:`TritonCodec._segment_classes`).
     """
     pid = tl.program_id(0)
     if PAY_AL > 1:  # (s // a) * a: the compiler then knows the stride is a multiple of a
         pay_stride = (pay_stride // PAY_AL) * PAY_AL
         rp_stride = (rp_stride // PAY_AL) * PAY_AL
-    b, bmask, row, lb, cols = _tile(pid, nblocks, bpc, NB, BS, LW, ONE_WRAP, IDX64)
+    if LISTED:
+        b, bmask, row, lb, cols = _listed_tile(pid, blk_ptr, blk_count, bpc, NB, BS, LW)
+    else:
+        b, bmask, row, lb, cols = _tile(pid, nblocks, bpc, NB, BS, LW, ONE_WRAP, IDX64)
     x = _load_values(b, bmask, cols, x_ptr, src_ptr, valid_ptr, rp_ptr, rp_stride, rs_ptr, rs_stride, grp_ptr,
                      nsrc, bpc, G, inv_w, w_f, FP8, BS, SOURCE, False, DIV_MODE, SRC_AL, UNROLL)
     eoffs = b * BS + cols
@@ -362,7 +392,8 @@ def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr,
                     GROUPED: tl.constexpr = False, SEGMENTED: tl.constexpr = False, IDX64: tl.constexpr = False,
                     CONTIG: tl.constexpr = False, LW: tl.constexpr = 32, PAY_AL: tl.constexpr = 1,
                     ONE_WRAP: tl.constexpr = False, DIV_MODE: tl.constexpr = 0, COUNT_SAT: tl.constexpr = False,
-                    FMAX: tl.constexpr = 0.0):
+                    FMAX: tl.constexpr = 0.0, SRC_AL: tl.constexpr = 1, blk_ptr=None, blk_count=0,
+                    LISTED: tl.constexpr = False):
     """``q * scale_inv`` per block of packed rows, into a dense fp32 buffer or (SEGMENTED) straight
     into the unpadded bucket in its dtype, skipping padding. An FP8 sum's last stage adds: DIV_MODE
     1/2, the mean as the reference takes it (times ``inv_w`` / IEEE division by ``w_f``, after the
@@ -371,7 +402,10 @@ def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr,
     pid = tl.program_id(0)
     if PAY_AL > 1:  # (s // a) * a: the compiler then knows the stride is a multiple of a
         pay_stride = (pay_stride // PAY_AL) * PAY_AL
-    b, bmask, row, lb, cols = _tile(pid, nblocks, bpc, NB, BS, LW, ONE_WRAP, IDX64)
+    if LISTED:
+        b, bmask, row, lb, cols = _listed_tile(pid, blk_ptr, blk_count, bpc, NB, BS, LW)
+    else:
+        b, bmask, row, lb, cols = _tile(pid, nblocks, bpc, NB, BS, LW, ONE_WRAP, IDX64)
     if GROUPED:
         gl = _row_load(grp_ptr, b, bmask, 0) - row * G
     else:
@@ -393,7 +427,11 @@ def _dequant_kernel(pay_ptr, pay_stride, sc_ptr, sc_stride, grp_ptr, G, out_ptr,
         tl.store(out_ptr + eo, v.to(out_ptr.dtype.element_ty), mask=bmask & (eo < nvalid))
     elif SEGMENTED:
         src = _row_load(src_ptr, b, bmask, 0)
-        nv = _row_load(valid_ptr, b, bmask, 0)
-        tl.store(out_ptr + src + cols, v.to(out_ptr.dtype.element_ty), mask=cols < nv)
+        if SRC_AL > 1:  # a listed launch over full blocks whose destination is a multiple of SRC_AL
+            src = (src // SRC_AL) * SRC_AL
+            tl.store(out_ptr + src + cols, v.to(out_ptr.dtype.element_ty), mask=bmask)
+        else:
+            nv = _row_load(valid_ptr, b, bmask, 0)
+            tl.store(out_ptr + src + cols, v.to(out_ptr.dtype.element_ty), mask=cols < nv)
     else:
         tl.store(out_ptr + b * BS + cols, v, mask=bmask)
