@@ -4,6 +4,7 @@ No ``from __future__ import annotations`` here: DDP inspects the hook's signatur
 parameter must be named ``bucket`` and annotated types must be real classes).
 """
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -41,6 +42,20 @@ def fp8_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
 
 
 _WORKER_ENV = "FP8_COMM_WORKER"
+_WORKERS_ENV = "FP8_COMM_WORKERS"
+
+
+def _worker_count() -> int:
+    """How many communication workers (``FP8_COMM_WORKERS``, default 1): a positive integer."""
+    text = os.environ.get(_WORKERS_ENV, "1").strip()
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{_WORKERS_ENV} must be a positive integer (the communication worker threads), "
+                         f"got {text!r}")
+    return n
 
 
 def _start_worker(state: FP8CommState, pg) -> None:
@@ -57,12 +72,13 @@ def _start_worker(state: FP8CommState, pg) -> None:
         log.info("fp8_comm_hook: stochastic rounding reseeds a shared generator per bucket, so FP8 buckets run on "
                  "the hook's thread (no communication worker)")
         return
-    side = collectives.new_side_group(pg)
-    if side is None:
+    n = _worker_count()
+    sides = [collectives.new_side_group(pg) for _ in range(n)]
+    if sides[0] is None:
         log.info("fp8_comm_hook: the process group does not span every rank; FP8 buckets run on the hook's thread "
                  "(no communication worker)")
         return
-    state.use_worker(side)
+    state.use_workers(sides)
 
 
 def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, config: Optional[FP8CommConfig] = None,

@@ -60,7 +60,7 @@ class FP8CommState:
 
     __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
                  "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
-                 "_world", "_graphs", "_worker", "_side_group", "_auto", "_plans", "_buffer_plans", "_param_plans", "__weakref__")
+                 "_world", "_graphs", "_workers", "_side_groups", "_auto", "_plans", "_buffer_plans", "_param_plans", "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -80,8 +80,8 @@ class FP8CommState:
         self._step_open = False                      # an FSDP backward's step is open (end_unit)
         self._world = None                           # (world size, rank, backend) of the group, read once
         self._graphs: Optional[BucketGraphs] = None  # captured buckets (CUDA + NCCL), see bucket_graphs()
-        self._worker: Optional[CommWorker] = None    # gloo: the thread that runs FP8 buckets, see use_worker()
-        self._side_group = None                      # ... and the process group it issues them on
+        self._workers: tuple = ()                    # gloo: threads that run FP8 buckets, see use_workers()
+        self._side_groups: tuple = ()                # ... and the process group each issues them on
         self._auto = None                            # algorithm="auto": (numel, element size) -> mode, see set_auto_plan
         self._plans: Dict[tuple, tuple] = {}         # DDP buckets' reusable plans, see prepare_bucket()
         self._buffer_plans: Dict[int, tuple] = {}    # ... the same, found by the bucket buffer's tensor object
@@ -137,15 +137,27 @@ class FP8CommState:
         """Run FP8 buckets on a :class:`~fp8_comm_hook.worker.CommWorker` thread, issuing their
         collectives on ``side_group`` (same ranks as the state's group; see
         :func:`fp8_comm_hook.collectives.new_side_group`). ``None`` turns the worker off."""
-        if self._worker is not None:
-            self._worker.close()
-        self._side_group = side_group
-        self._worker = CommWorker() if side_group is not None else None
+        self.use_workers([side_group] if side_group is not None else [])
+
+    def use_workers(self, side_groups) -> None:
+        """Run FP8 buckets on one :class:`~fp8_comm_hook.worker.CommWorker` thread per group of
+        ``side_groups`` (each with the ranks of the state's group, each its own process group), bucket
+        i of a step on worker i mod len(side_groups): with two, one bucket's exchange can use the link
+        while the other's codec runs. Every rank assigns alike (DDP hands the buckets over in the
+        same order everywhere). An empty list turns the workers off."""
+        for w in self._workers:
+            w.close()
+        self._side_groups = tuple(side_groups)
+        self._workers = tuple(CommWorker(name=f"fp8-comm-{i}") for i in range(len(self._side_groups)))
 
     @property
     def worker(self):
-        """``(worker, side group)`` when FP8 buckets run on a communication worker, else None."""
-        return (self._worker, self._side_group) if self._worker is not None else None
+        """``(worker, side group)`` that runs the current bucket of the step when FP8 buckets run on
+        communication workers (see :meth:`use_workers`), else None."""
+        if not self._workers:
+            return None
+        i = self._bucket_in_step % len(self._workers)
+        return self._workers[i], self._side_groups[i]
 
     def bucket_graphs(self) -> BucketGraphs:
         """The captured CUDA graphs of this state's DDP buckets (see :mod:`fp8_comm_hook.graphs`)."""

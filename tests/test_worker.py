@@ -1,5 +1,5 @@
-"""The communication worker (gloo): FP8 buckets run on one thread in bucket order, giving exactly the
-hook-thread path's results; many buckets in flight at world 3 finish (no deadlock); DDP's own
+"""The communication worker (gloo): FP8 buckets run on one thread in bucket order (or alternate
+between two, each with its own side group), giving exactly the hook-thread path's results; many buckets in flight at world 3 finish (no deadlock); DDP's own
 collectives on the data-parallel group (find_unused_parameters) do not interleave with the worker's."""
 import copy
 import os
@@ -16,19 +16,24 @@ from fp8_comm_hook import FP8CommConfig, register_ddp_hook
 from fp8_comm_hook.worker import CommWorker
 
 
-def _run(worker: bool, steps=4, bucket_cap_mb=0.01, unused=False, **cfg):
-    """Gradients after each step (digests), the stats and whether a worker ran, with the worker on or off."""
+def _run(worker: bool, steps=4, bucket_cap_mb=0.01, unused=False, workers=1, threads=None, **cfg):
+    """Gradients after each step (digests), the stats and whether a worker ran, with the worker on or
+    off (``workers``: how many; ``threads``, a list, gets the names of the threads that ran buckets)."""
     os.environ["FP8_COMM_WORKER"] = "1" if worker else "0"
+    os.environ["FP8_COMM_WORKERS"] = str(workers)
     try:
         d = DDP(mlp(depth=24, width=160, unused=unused), bucket_cap_mb=bucket_cap_mb, find_unused_parameters=unused)
         st = register_ddp_hook(d, FP8CommConfig(**{**CFG0, **cfg}))
     finally:
         os.environ.pop("FP8_COMM_WORKER", None)
+        os.environ.pop("FP8_COMM_WORKERS", None)
     out = []
     for step in range(steps):
         x, y = batch(dist_rank(), step)
         g = local_grads(d, x, y)
         out.append(digest([v for v in g.values() if v is not None]))
+    if threads is not None:
+        threads.extend(sorted(w.name for w in st._workers if w._thread is not None))
     return out, st.stats(), st.worker is not None
 
 
@@ -49,6 +54,18 @@ def chk_worker_matches_hook_thread(rank, W):
     return out
 
 
+def chk_two_workers_match_hook_thread(rank, W):
+    """Two workers (FP8_COMM_WORKERS=2), buckets alternating between them and their two side groups,
+    with and without error feedback: the hook thread's gradients and stats, and both threads ran."""
+    out = {}
+    for ef in (False, True):
+        names = []
+        two, s_two, used = _run(True, workers=2, threads=names, error_feedback=ef)
+        off, s_off, _ = _run(False, error_feedback=ef)
+        out[ef] = dict(same=two == off, stats_same=s_two == s_off, used=used, threads=names, digest=two[-1])
+    return out
+
+
 def chk_worker_with_find_unused(rank, W):
     """DDP all-reduces its unused-parameter map on the data-parallel group during backward while the
     worker exchanges buckets on its own group: no hang, same results as without the worker."""
@@ -66,7 +83,8 @@ def chk_stochastic_rounding_keeps_hook_thread(rank, W):
 @pytest.fixture(scope="module", params=[3, 4])
 def world(request):
     return request.param, run_world(request.param, [chk_worker_matches_hook_thread, chk_worker_with_find_unused,
-                                                    chk_stochastic_rounding_keeps_hook_thread])
+                                                    chk_stochastic_rounding_keeps_hook_thread,
+                                                    chk_two_workers_match_hook_thread])
 
 
 def test_worker_matches_hook_thread(world):
@@ -78,6 +96,28 @@ def test_worker_matches_hook_thread(world):
             assert r[ef]["used"] == (True, False)
             assert r[ef]["buckets"] >= 15   # per step, on average (DDP's first step has fewer)
         assert len({r[ef]["digest"] for r in per_rank}) == 1   # bit-identical across ranks
+
+
+def test_two_workers_match_hook_thread(world):
+    W, res = world
+    per_rank = values(res, "chk_two_workers_match_hook_thread")
+    for ef in (False, True):
+        for r in per_rank:
+            assert r[ef]["same"] and r[ef]["stats_same"] and r[ef]["used"], r[ef]
+            assert r[ef]["threads"] == ["fp8-comm-0", "fp8-comm-1"], r[ef]["threads"]
+        assert len({r[ef]["digest"] for r in per_rank}) == 1   # bit-identical across ranks
+
+
+def test_worker_count_must_be_a_positive_integer(monkeypatch):
+    from fp8_comm_hook.ddp import _worker_count
+    monkeypatch.setenv("FP8_COMM_WORKERS", "2")
+    assert _worker_count() == 2
+    monkeypatch.delenv("FP8_COMM_WORKERS")
+    assert _worker_count() == 1
+    for bad in ("0", "-1", "two", ""):
+        monkeypatch.setenv("FP8_COMM_WORKERS", bad)
+        with pytest.raises(ValueError, match="FP8_COMM_WORKERS must be a positive integer"):
+            _worker_count()
 
 
 def test_worker_with_find_unused_parameters(world):
