@@ -45,16 +45,9 @@ _WORKER_ENV = "FP8_COMM_WORKER"
 _WORKERS_ENV = "FP8_COMM_WORKERS"
 
 
-# Communication workers when FP8_COMM_WORKERS is not set: two for CPU tensors (measured with one core
-# per rank, 2 nodes, 12.6M-parameter MLP: 6-19% shorter steps unshaped and at 1 Gbit/s, 4% at 0.2),
-# one for CUDA tensors (two not yet measured on a GPU).
-DEFAULT_WORKERS = {"cpu": 2, "cuda": 1}
-
-
-def _worker_count(device_type: str = "cuda") -> int:
-    """How many communication workers: ``FP8_COMM_WORKERS`` (a positive integer), else
-    :data:`DEFAULT_WORKERS` for the model's device type (1 for any other)."""
-    text = os.environ.get(_WORKERS_ENV, str(DEFAULT_WORKERS.get(device_type, 1))).strip()
+def _worker_count() -> int:
+    """How many communication workers (``FP8_COMM_WORKERS``, default 1): a positive integer."""
+    text = os.environ.get(_WORKERS_ENV, "1").strip()
     try:
         n = int(text)
     except ValueError:
@@ -65,7 +58,7 @@ def _worker_count(device_type: str = "cuda") -> int:
     return n
 
 
-def _start_worker(state: FP8CommState, pg, device_type: str = "cuda") -> None:
+def _start_worker(state: FP8CommState, pg) -> None:
     """On gloo, give the state a communication worker (:mod:`fp8_comm_hook.worker`) so that the
     backward pass never waits on the wire; ``FP8_COMM_WORKER=0`` keeps the collectives on the hook's
     thread. Every rank decides alike (same backend, same environment is expected; the side group's
@@ -79,7 +72,7 @@ def _start_worker(state: FP8CommState, pg, device_type: str = "cuda") -> None:
         log.info("fp8_comm_hook: stochastic rounding reseeds a shared generator per bucket, so FP8 buckets run on "
                  "the hook's thread (no communication worker)")
         return
-    n = _worker_count(device_type)
+    n = _worker_count()
     sides = [collectives.new_side_group(pg) for _ in range(n)]
     if sides[0] is None:
         log.info("fp8_comm_hook: the process group does not span every rank; FP8 buckets run on the hook's thread "
@@ -117,7 +110,7 @@ def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, conf
     collectives.check_configs_match(state.config, pg)
     if state.config.algorithm == "nccl_fp8":
         collectives.check_nccl_fp8_supported(pg, registry.model_device(ddp_model))
-    _start_worker(state, pg, registry.model_device(ddp_model).type)
+    _start_worker(state, pg)
     if state.config.algorithm == "auto":
         autotune.tune(state, registry.model_device(ddp_model))  # same figures, same choices on every rank
     try:
