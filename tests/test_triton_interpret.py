@@ -70,6 +70,25 @@ def _child(check):  # pragma: no cover - runs in the subprocess
                 x[torch.randint(0, n, (max(1, n // 97),))] = 300.0
         return x.to(dtype)
 
+    def encode_pair(numels, W, scaling, dtype, bs, with_res, fmt):
+        """The torch and the Triton codec encode the same bucket (and residual) into two layouts of
+        rank W - 1; the Triton side's send buffer starts as 0xFF, so that a byte the kernels skip
+        (padding included) differs. Returns (torch layout, Triton layout, numel, residuals)."""
+        La, n = layout(numels, W, W - 1, scaling, dtype, bs)
+        Lb, _ = layout(numels, W, W - 1, scaling, dtype, bs)
+        flat = sample(n, dtype, ("gauss", "heavy", "outlier")[len(numels) % 3])
+        ra = rb = None
+        if with_res:
+            ra = La.ensure_residual()
+            for i in range(len(numels)):
+                La.segment(ra, i).copy_(torch.randn(numels[i]) * 0.01)
+            rb = Lb.ensure_residual()
+            rb.copy_(ra)
+        TorchCodec(fmt).encode(flat, La, ra)
+        Lb.send.fill_(0xFF)
+        TritonCodec(fmt).encode(flat, Lb, rb)
+        return La, Lb, n, ra, rb
+
     def same_bytes(a, b, what):
         assert a.shape == b.shape, (what, a.shape, b.shape)
         if not torch.equal(a, b):
@@ -112,20 +131,7 @@ def _child(check):  # pragma: no cover - runs in the subprocess
                     for numels in buckets:
                         for W, bs in ((2, 128), (3, 16)):
                             for with_res in (False, True):
-                                La, n = layout(numels, W, W - 1, scaling, dtype, bs)
-                                Lb, _ = layout(numels, W, W - 1, scaling, dtype, bs)
-                                kind = ("gauss", "heavy", "outlier")[len(numels) % 3]
-                                flat = sample(n, dtype, kind)
-                                ra = rb = None
-                                if with_res:
-                                    ra = La.ensure_residual()
-                                    for i in range(len(numels)):
-                                        La.segment(ra, i).copy_(torch.randn(numels[i]) * 0.01)
-                                    rb = Lb.ensure_residual()
-                                    rb.copy_(ra)
-                                TorchCodec(fmt).encode(flat, La, ra)
-                                Lb.send.fill_(0xFF)  # every byte, padding included, must be written
-                                TritonCodec(fmt).encode(flat, Lb, rb)
+                                La, Lb, n, ra, rb = encode_pair(numels, W, scaling, dtype, bs, with_res, fmt)
                                 what = f"encode {scaling} {name} {dtype} {numels} W={W} bs={bs} res={with_res}"
                                 same_bytes(Lb.send, La.send, what)
                                 if with_res:
@@ -235,20 +241,9 @@ def _child(check):  # pragma: no cover - runs in the subprocess
                 for numels in buckets:
                     for W, bs in ((2, 128), (3, 16)):
                         for with_res in (False, True):
-                            La, n = layout(numels, W, W - 1, scaling, dtype, bs)
-                            Lb, _ = layout(numels, W, W - 1, scaling, dtype, bs)
-                            flat = sample(n, dtype, ("gauss", "heavy", "outlier")[len(numels) % 3])
-                            ra = rb = None
-                            if with_res:
-                                ra = La.ensure_residual()
-                                for i in range(len(numels)):
-                                    La.segment(ra, i).copy_(torch.randn(numels[i]) * 0.01)
-                                rb = Lb.ensure_residual()
-                                rb.copy_(ra)
+                            La, Lb, n, ra, rb = encode_pair(numels, W, scaling, dtype, bs, with_res,
+                                                            get_format("e4m3"))
                             what = f"classes {scaling} {dtype} {numels} W={W} bs={bs} res={with_res}"
-                            TorchCodec(get_format("e4m3")).encode(flat, La, ra)
-                            Lb.send.fill_(0xFF)
-                            TritonCodec(get_format("e4m3")).encode(flat, Lb, rb)
                             same_bytes(Lb.send, La.send, "encode " + what)
                             if with_res:
                                 assert torch.equal(ra, rb), what + ": residual differs"
