@@ -37,7 +37,6 @@ from .triton_kernels import (_AMAX_EPOCH_GROUP, _AMAX_F32_BLOCK, _AMAX_F32_GROUP
                              _AMAX_TILE_BLOCK, _DIV_NONE, _DIV_RECIPROCAL, _DIV_TRUE, _EPOCH_LIMIT,
                              _GROUPS_PER_PROGRAM, _INT32_SAFE, _INTERPRET, _QUANT_TILE, _RECV_LANES, _RECV_PAY_AL,
                              _RECV_UNROLL, _RES_ENCODE, _RES_FOLD, _RES_NONE, _SEGMENT_LANES, _SEGMENT_TILE,
-                             SEGMENT_CLASSES,
                              _SRC_CONTIG, _SRC_DENSE, _SRC_RECV, _SRC_SEGMENTS, _amax_finish_kernel, _amax_kernel,
                              _dequant_kernel, _quant_kernel)
 
@@ -45,6 +44,11 @@ __all__ = ["TritonCodec"]
 
 
 # ---------------------------------------------------------------------------------------- host side
+# Off until measured on a GPU: a bucket read through the segment table is encoded and decoded in one
+# launch per alignment class of its blocks (TritonCodec._block_launches) instead of one launch.
+SEGMENT_CLASSES = False
+
+
 def _quant_tile(contig: Optional[int]) -> int:
     """Elements per program of a launch reading or writing the bucket: :data:`_SEGMENT_TILE` through
     the segment table (``contig`` None), else :data:`_QUANT_TILE`. Measured on an H100 (odd
