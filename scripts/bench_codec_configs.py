@@ -44,9 +44,9 @@ SEGMENT_CONFIGS = [
     ("classes tile 4096", {"SEGMENT_CLASSES": True, "_SEGMENT_TILE": 4096}),
 ]
 REDUCE_CONFIGS = [("default", {})] + [
-    (f"payload align {al} unroll {u} tile {t} {w} warps lanes {ln}",
-     {"_RECV_PAY_AL": al, "_RECV_UNROLL": u, "_QUANT_TILE": t, "warps": w, "_RECV_LANES": ln})
-    for al in (4, 16) for u in (4, 8) for t in (2048, 4096) for w in (4, 8) for ln in (128,)]
+    (f"payload align {al} unroll {u} tile {t} {w} warps",
+     {"_RECV_PAY_AL": al, "_RECV_UNROLL": u, "_QUANT_TILE": t, "warps": w})
+    for al in (4, 16) for u in (4, 8) for t in (2048, 4096) for w in (4, 8)]
 
 
 def apply(tc, overrides: dict) -> dict:

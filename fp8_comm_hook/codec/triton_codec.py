@@ -169,7 +169,6 @@ class _Plan:
             valid[first:first + nblk] = (n - k).clamp_(max=bs).to(torch.int32)
         dev = L.device
         self.idx64 = big
-        self._src_cpu, self._valid_cpu = src, valid  # for classes()
         self._classes = {}
         self.src = src.to(idx_dtype).to(dev)
         self.valid = valid.to(dev)
@@ -199,11 +198,12 @@ class _Plan:
         c = self._classes.get(esize)
         if c is None:
             vec = max(1, 16 // esize)
-            full = self._valid_cpu == block_size
-            al = torch.ones_like(self._src_cpu)
+            src = self.src.cpu()
+            full = self.valid.cpu() == block_size
+            al = torch.ones_like(src)
             a = 2
             while a <= vec:
-                al = torch.where(full & (self._src_cpu % a == 0), torch.full_like(al, a), al)
+                al = torch.where(full & (src % a == 0), torch.full_like(al, a), al)
                 a *= 2
             order, classes, start = [], [], 0
             for a in sorted(set(al.tolist()), reverse=True):
