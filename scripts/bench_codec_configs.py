@@ -40,7 +40,9 @@ SEGMENT_CONFIGS = [
     ("tile 2048 lanes 16", {"_SEGMENT_TILE": 2048, "_SEGMENT_LANES": 16}),
     ("tile 2048 lanes 8", {"_SEGMENT_TILE": 2048, "_SEGMENT_LANES": 8}),
     ("tile 4096 lanes 16", {"_SEGMENT_TILE": 4096, "_SEGMENT_LANES": 16}),
+    ("encode lanes 16", {"_SEGMENT_ENCODE_LANES": 16}),
     ("classes", {"SEGMENT_CLASSES": True}),
+    ("classes encode lanes 16", {"SEGMENT_CLASSES": True, "_SEGMENT_ENCODE_LANES": 16}),
     ("classes tile 4096", {"SEGMENT_CLASSES": True, "_SEGMENT_TILE": 4096}),
 ]
 REDUCE_CONFIGS = [("default", {})] + [

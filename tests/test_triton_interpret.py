@@ -16,7 +16,8 @@ import pytest
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-CHECKS = ["soft_cast", "encode", "reduce_decode", "primitives", "nonfinite", "stochastic", "segment_classes"]
+CHECKS = ["soft_cast", "encode", "reduce_decode", "primitives", "nonfinite", "stochastic", "segment_classes",
+          "segment_lanes"]
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed: the interpreter test needs it "
@@ -259,6 +260,40 @@ def _child(check):  # pragma: no cover - runs in the subprocess
                                 torch.testing.assert_close(fb.float(), fa.float(), rtol=2 ** -7, atol=0,
                                                            msg="decode " + what)
         assert aligned_seen >= {1, 2, 4, 8}, aligned_seen
+
+    elif check == "segment_lanes":
+        # Fewer lanes per block row in the segment-table encode (_SEGMENT_ENCODE_LANES) and decode
+        # (_SEGMENT_LANES) of odd buckets: the same bytes as the torch codec.
+        from fp8_comm_hook.codec import triton_codec as tcodec
+        lanes_seen = set()
+        plain_launch = TritonCodec._launch
+
+        def record(kernel, grid, device, *args, **kwargs):
+            if kwargs.get("SOURCE") == tcmod._SRC_SEGMENTS or kwargs.get("SEGMENTED"):
+                lanes_seen.add(kwargs["LW"])
+            return plain_launch(kernel, grid, device, *args, **kwargs)
+
+        TritonCodec._launch = staticmethod(record)
+        for enc_lanes, dec_lanes in ((16, 32), (8, 16)):
+            tcodec._SEGMENT_ENCODE_LANES, tcodec._SEGMENT_LANES = enc_lanes, dec_lanes
+            for scaling in SCALINGS:
+                for dtype in (torch.float32, torch.bfloat16):
+                    for numels in ([300, 1, 130, 77], [2000, 5, 129]):
+                        La, Lb, n, _, _ = encode_pair(numels, 3, scaling, dtype, 128, False, get_format("e4m3"))
+                        what = f"lanes {enc_lanes}/{dec_lanes} {scaling} {dtype} {numels}"
+                        same_bytes(Lb.send, La.send, "encode " + what)
+                        La.gather_out.copy_(La.send)
+                        Lb.gather_out.copy_(La.send)
+                        fa = torch.full((n,), 7.0, dtype=dtype)
+                        fb = fa.clone()
+                        TorchCodec(get_format("e4m3")).decode(La, fa)
+                        TritonCodec(get_format("e4m3")).decode(Lb, fb)
+                        if dtype == torch.float32:
+                            assert torch.equal(fa, fb), "decode " + what
+                        else:  # as in the checks above: one bf16 rounding step apart at most
+                            torch.testing.assert_close(fb.float(), fa.float(), rtol=2 ** -7, atol=0,
+                                                       msg="decode " + what)
+        assert lanes_seen >= {8, 16, 32}, lanes_seen
 
     elif check == "stochastic":
         fmt = get_format("e4m3")

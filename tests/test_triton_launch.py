@@ -42,6 +42,10 @@ def test_unaligned_sources_promise_nothing_and_use_segment_lanes(tc, block_size,
     assert args["LW"] == min(block_size, tc._SEGMENT_LANES)
     monkeypatch.setattr(tc, "_SEGMENT_LANES", 16)
     assert tc._tile_args(block_size, 8, 16, (4096,), unaligned=True)["LW"] == min(block_size, 16)
+    # an encode takes its own lane count, so that encode and decode can differ
+    monkeypatch.setattr(tc, "_SEGMENT_ENCODE_LANES", 8)
+    assert tc._tile_args(block_size, 8, 16, (4096,), unaligned=True, encode=True)["LW"] == min(block_size, 8)
+    assert tc._tile_args(block_size, 8, 16, (4096,), unaligned=True)["LW"] == min(block_size, 16)
     # aligned launches keep the lanes they ask for, capped at the block size
     assert tc._tile_args(block_size, 8, 16, (4096,), lanes=128)["LW"] == min(block_size, 128)
 

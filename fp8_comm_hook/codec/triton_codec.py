@@ -36,7 +36,8 @@ from .base import Codec
 from .triton_kernels import (_AMAX_EPOCH_GROUP, _AMAX_F32_BLOCK, _AMAX_F32_GROUP, _AMAX_MAX_BLOCKS, _AMAX_TILE,
                              _AMAX_TILE_BLOCK, _DIV_NONE, _DIV_RECIPROCAL, _DIV_TRUE, _EPOCH_LIMIT,
                              _GROUPS_PER_PROGRAM, _INT32_SAFE, _INTERPRET, _QUANT_TILE, _RECV_LANES, _RECV_PAY_AL,
-                             _RECV_UNROLL, _RES_ENCODE, _RES_FOLD, _RES_NONE, _SEGMENT_LANES, _SEGMENT_TILE,
+                             _RECV_UNROLL, _RES_ENCODE, _RES_FOLD, _RES_NONE, _SEGMENT_ENCODE_LANES,
+                             _SEGMENT_LANES, _SEGMENT_TILE,
                              _SRC_CONTIG, _SRC_DENSE, _SRC_RECV, _SRC_SEGMENTS, _amax_finish_kernel, _amax_kernel,
                              _dequant_kernel, _quant_kernel)
 
@@ -89,15 +90,16 @@ def _src_al(contig: Optional[int]) -> int:
 
 
 def _tile_args(block_size: int, bpc: int, nb: int, strides=(), unaligned: bool = False, lanes: int = 32,
-               max_al: int = 4) -> dict:
+               max_al: int = 4, encode: bool = False) -> dict:
     """Tile constants of a launch: LW lanes per block row (a warp reads LW consecutive elements of
     one block; ``lanes``, capped at the block size), ONE_WRAP when a tile crosses at most one
     packed-row boundary, and PAY_AL, the byte alignment promised for the payload row strides, at
     most ``max_al`` (1 when the source is read unaligned: then no access of the tile is widened, and
-    the unaligned loads stay coalesced; LW is then :data:`_SEGMENT_LANES`)."""
+    the unaligned loads stay coalesced; LW is then :data:`_SEGMENT_LANES`, or
+    :data:`_SEGMENT_ENCODE_LANES` for an ``encode``)."""
     al = 1
     if unaligned:
-        lanes = _SEGMENT_LANES
+        lanes = _SEGMENT_ENCODE_LANES if encode else _SEGMENT_LANES
     else:
         for p in (16, 8, 4, 2):
             if p <= max_al and all(int(s) % p == 0 for s in strides):
@@ -396,7 +398,8 @@ class TritonCodec(Codec):
 
     # ------------------------------------------------------------------ two_shot's fused stages
     @staticmethod
-    def _block_launches(P: "_Plan", flat: torch.Tensor, bs: int, bpc: int, nb: int, strides, lanes: int = 32):
+    def _block_launches(P: "_Plan", flat: torch.Tensor, bs: int, bpc: int, nb: int, strides, lanes: int = 32,
+                        encode: bool = False):
         """[(program count, launch arguments)] of a stage over every block of the bucket ``flat``: one
         launch, or, for a bucket read through the segment table with :data:`SEGMENT_CLASSES` on, one
         per class of blocks (:meth:`_Plan.classes`): full blocks whose source offset is a multiple of
@@ -405,11 +408,11 @@ class TritonCodec(Codec):
         if P.contig is not None or not SEGMENT_CLASSES:
             return [(triton.cdiv(P.nblocks, nb),
                      dict(SRC_AL=_src_al(P.contig), **_tile_args(bs, bpc, nb, strides, unaligned=P.contig is None,
-                                                                 lanes=lanes)))]
+                                                                 lanes=lanes, encode=encode)))]
         order, classes = P.classes(flat.element_size(), bs)
         return [(triton.cdiv(count, nb),
                  dict(SRC_AL=a, LISTED=True, blk_ptr=order[start:start + count], blk_count=count,
-                      **_tile_args(bs, bpc, nb, strides, unaligned=a == 1, lanes=lanes)))
+                      **_tile_args(bs, bpc, nb, strides, unaligned=a == 1, lanes=lanes, encode=encode)))
                 for a, start, count in classes]
 
     def encode(self, flat: torch.Tensor, layout, residual: Optional[torch.Tensor] = None,
@@ -430,7 +433,7 @@ class TritonCodec(Codec):
         source, nsrc = (_SRC_CONTIG, P.contig) if P.contig is not None else (_SRC_SEGMENTS, 1)
         src_al = _src_al(P.contig)
         common = dict(BS=bs, SR=self.stochastic_rounding, DIV_MODE=_DIV_NONE, IDX64=P.idx64, **self._consts())
-        launches = self._block_launches(P, flat, bs, L.blocks_per_chunk, nbq, (L.chunk_bytes,))
+        launches = self._block_launches(P, flat, bs, L.blocks_per_chunk, nbq, (L.chunk_bytes,), encode=True)
         if L.scaling == "block":
             for nprog, extra in launches:
                 self._launch(_quant_kernel, (nprog,), dev,
@@ -559,7 +562,8 @@ class TritonCodec(Codec):
                      BS=bs, NB=nbq, GB=_GROUPS_PER_PROGRAM, SOURCE=source,
                      AMAX_MODE=_AMAX_F32_GROUP if grouped else _AMAX_F32_BLOCK, RES_MODE=res_mode,
                      SR=self.stochastic_rounding, DIV_MODE=_DIV_NONE, IDX64=P.idx64, num_warps=_warps(nbq, bs),
-                     SRC_AL=_src_al(P.contig), **_tile_args(bs, bpc, nbq, (C,), unaligned=P.contig is None),
+                     SRC_AL=_src_al(P.contig),
+                     **_tile_args(bs, bpc, nbq, (C,), unaligned=P.contig is None, encode=True),
                      **self._consts())
 
     def decode_mean(self, layout, scale_inv: torch.Tensor, flat: torch.Tensor, saturated: torch.Tensor) -> torch.Tensor:

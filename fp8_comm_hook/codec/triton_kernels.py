@@ -21,6 +21,7 @@ _RECV_UNROLL = 4         # received chunks whose loads one iteration of the sum 
 _RECV_LANES = 128        # lanes per block row of the block-scaled dequantize-sum-requantize
 _RECV_PAY_AL = 16        # ... which may promise 16-byte payload rows where their strides allow
 _SEGMENT_LANES = 32      # lanes per block row where the bucket is read through the segment table
+_SEGMENT_ENCODE_LANES = 32  # ... in the encodes (quantize) of such a bucket
 _EPOCH_LIMIT = 2 ** 31 - 1
 _INT32_SAFE = 2 ** 31 - 2 ** 20
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
