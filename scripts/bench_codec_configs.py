@@ -96,6 +96,8 @@ def main():
     p.add_argument("--ops", default="quantize,dequantize,dequant_sum_requant")
     p.add_argument("--scalings", default="block,tensor")
     p.add_argument("--budget", type=float, default=0.15, help="seconds of timing per measurement")
+    p.add_argument("--configs", default=None,
+                   help="comma-separated configuration names to run (default: all; 'default' always runs)")
     p.add_argument("--out", default="benchmarks/results/codec-configs")
     a = p.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
@@ -103,6 +105,13 @@ def main():
     bad = [o for o in ops if o not in ("quantize", "dequantize", "dequant_sum_requant")]
     if bad:
         raise ValueError(f"--ops: {bad} not allowed; allowed values: quantize, dequantize, dequant_sum_requant")
+    known = list(dict.fromkeys(n for n, _ in SEGMENT_CONFIGS + REDUCE_CONFIGS))
+    wanted = None
+    if a.configs:
+        wanted = {"default"} | {c.strip() for c in a.configs.split(",") if c.strip()}
+        bad = sorted(wanted - set(known))
+        if bad:
+            raise ValueError(f"--configs: {bad} not known; allowed values: {', '.join(known)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_codec_configs needs a CUDA GPU (none visible)")
     copy = copy_bandwidth_gbps(0.3)
@@ -122,6 +131,8 @@ def main():
                     configs = REDUCE_CONFIGS if op == "dequant_sum_requant" else SEGMENT_CONFIGS
                     if scaling != "block" and op != "quantize":
                         configs = configs[:3]
+                    if wanted is not None:
+                        configs = [c for c in configs if c[0] in wanted]
                     sets = [make_set(numel, dtype, scaling, 8, 128, bucket)]
                     nbytes = op_bytes(op, sets[0][1], numel, sets[0][0].element_size())
                     k = 1 if nbytes >= 3 * l2 else min(8, math.ceil(3 * l2 / nbytes))
