@@ -49,6 +49,12 @@ REDUCE_CONFIGS = [("default", {})] + [
     (f"payload align {al} unroll {u} tile {t} {w} warps",
      {"_RECV_PAY_AL": al, "_RECV_UNROLL": u, "_QUANT_TILE": t, "warps": w})
     for al in (4, 16) for u in (4, 8) for t in (2048, 4096) for w in (4, 8)]
+# The tensor/bucket-scaled reduce: an amax pass over the received rows, then a quantize pass.
+SCALED_REDUCE_CONFIGS = [("default", {}),
+                         ("amax lanes 32 align 4 tile 8192 (before)",
+                          {"_RECV_AMAX_LANES": 32, "_RECV_PAY_AL": 4, "_RECV_AMAX_TILE": 8192})] + [
+    (f"amax lanes {ln} tile {t}", {"_RECV_AMAX_LANES": ln, "_RECV_AMAX_TILE": t})
+    for ln in (32, 128) for t in (2048, 4096, 8192)]
 
 
 def apply(tc, overrides: dict) -> dict:
@@ -105,7 +111,7 @@ def main():
     bad = [o for o in ops if o not in ("quantize", "dequantize", "dequant_sum_requant")]
     if bad:
         raise ValueError(f"--ops: {bad} not allowed; allowed values: quantize, dequantize, dequant_sum_requant")
-    known = list(dict.fromkeys(n for n, _ in SEGMENT_CONFIGS + REDUCE_CONFIGS))
+    known = list(dict.fromkeys(n for n, _ in SEGMENT_CONFIGS + REDUCE_CONFIGS + SCALED_REDUCE_CONFIGS))
     wanted = None
     if a.configs:
         wanted = {"default"} | {c.strip() for c in a.configs.split(",") if c.strip()}
@@ -125,12 +131,13 @@ def main():
             for scaling in a.scalings.split(","):
                 for op in ops:
                     # the reduce reads padded chunks only: the bucket's shape and dtype do not reach it
-                    if op == "dequant_sum_requant" and (dname != "float32" or scaling != "block"):
+                    if op == "dequant_sum_requant" and dname != "float32":
                         continue
                     bucket = "aligned" if op == "dequant_sum_requant" else "odd"
-                    configs = REDUCE_CONFIGS if op == "dequant_sum_requant" else SEGMENT_CONFIGS
-                    if scaling != "block" and op != "quantize":
-                        configs = configs[:3]
+                    if op == "dequant_sum_requant":
+                        configs = REDUCE_CONFIGS if scaling == "block" else SCALED_REDUCE_CONFIGS
+                    else:
+                        configs = SEGMENT_CONFIGS if scaling == "block" or op == "quantize" else SEGMENT_CONFIGS[:3]
                     if wanted is not None:
                         configs = [c for c in configs if c[0] in wanted]
                     sets = [make_set(numel, dtype, scaling, 8, 128, bucket)]

@@ -34,7 +34,8 @@ import triton.language as tl
 from ..geometry import ScaleGroups
 from .base import Codec
 from .triton_kernels import (_AMAX_EPOCH_GROUP, _AMAX_F32_BLOCK, _AMAX_F32_GROUP, _AMAX_MAX_BLOCKS, _AMAX_TILE,
-                             _AMAX_TILE_BLOCK, _DIV_NONE, _DIV_RECIPROCAL, _DIV_TRUE, _EPOCH_LIMIT,
+                             _AMAX_TILE_BLOCK, _DIV_NONE,
+                             _RECV_AMAX_LANES, _RECV_AMAX_TILE, _DIV_RECIPROCAL, _DIV_TRUE, _EPOCH_LIMIT,
                              _GROUPS_PER_PROGRAM, _INT32_SAFE, _INTERPRET, _QUANT_TILE, _RECV_LANES, _RECV_PAY_AL,
                              _RECV_UNROLL, _RES_ENCODE, _RES_FOLD, _RES_NONE, _SEGMENT_ENCODE_LANES,
                              _SEGMENT_LANES, _SEGMENT_TILE,
@@ -494,14 +495,16 @@ class TritonCodec(Codec):
         common.update(_tile_args(bs, bpc, nbq, (L.chunk_bytes, C)))
         G = L.own_groups.groups_per_row
         epoch = P.next_epoch("red")
-        nba = _blocks_per_program(bs, _AMAX_TILE, _AMAX_MAX_BLOCKS)
+        # The amax pass reads the W payload rows as the block-scaled sum does: wide rows, 16-byte
+        # promises, UNROLL sources in flight.
+        nba = _blocks_per_program(bs, _RECV_AMAX_TILE, _AMAX_MAX_BLOCKS)
+        amax_tile = _tile_args(bs, bpc, nba, (L.chunk_bytes,), lanes=_RECV_AMAX_LANES, max_al=_RECV_PAY_AL)
         self._launch(_amax_kernel, (triton.cdiv(bpc, nba),), dev,
                      rp, rp, rp, rp, L.chunk_bytes, rs, P.row_words, P.own_grp_all, W, inv_w, float(W),
                      L.shard, L.shard, L.shard, P.own_grp, P.gam_red, epoch, bpc, bpc, G,
                      FP8=self._fp8, BS=bs, NB=nba, SOURCE=_SRC_RECV, SRC_GROUPED=True, DIV_MODE=div_mode,
                      HAS_RES=False, STORE_X=True, STORE_BAMAX=False, ATOMIC=True, IDX64=P.idx64,
-                     num_warps=_warps(nba, bs), LW=min(bs, 32), UNROLL=unroll,
-                     PAY_AL=_tile_args(bs, bpc, nba, (L.chunk_bytes,))["PAY_AL"])
+                     num_warps=_warps(nba, bs), LW=amax_tile["LW"], UNROLL=unroll, PAY_AL=amax_tile["PAY_AL"])
         nprog = max(triton.cdiv(bpc, nbq), triton.cdiv(G, _GROUPS_PER_PROGRAM))
         self._launch(_quant_kernel, (nprog,), dev,
                      L.shard, L.shard, L.shard, rp, 0, rs, 0, 1, 1.0, 1.0, P.own_grp, P.gam_red, epoch,
