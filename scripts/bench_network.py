@@ -528,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    p.add_argument("--comm-workers", type=int, default=None,
+                   help="FP8_COMM_WORKERS for the ranks: gloo communication threads (default: the environment's, else 1)")
     p.add_argument("--threads-per-rank", type=int, default=1, help="torch threads and pinned cores per rank")
     p.add_argument("--no-pin", action="store_true", help="do not pin ranks to cores")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one link rate's world may take")
@@ -558,6 +560,10 @@ def run(args) -> dict:
     base = dict(nodes=args.nodes, ranks_per_node=args.ranks_per_node, device=args.device, models=models,
                 modes=args.modes, steps=args.steps, warmup=args.warmup, bucket_mb=args.bucket_mb, config={},
                 threads_per_rank=args.threads_per_rank, pin=not args.no_pin, pg_timeout_s=600, log_auto=True)
+    if args.comm_workers is not None:
+        if args.comm_workers < 1:
+            raise ValueError(f"--comm-workers must be a positive integer, got {args.comm_workers}")
+        os.environ["FP8_COMM_WORKERS"] = str(args.comm_workers)  # the ranks inherit it
     cluster = Cluster(args.nodes)
     old = {s: signal.signal(s, _raise_terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
     rows = []
@@ -580,7 +586,8 @@ def run(args) -> dict:
             print(f"removed the cluster ({', '.join(cluster.netns)}, {cluster.bridge})", flush=True)
     dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     meta = dict(device=dev, tensor_device=args.device, backend="gloo", torch=torch.__version__,
-                cpu_count=os.cpu_count(), threads_per_rank=args.threads_per_rank, steps=args.steps,
+                cpu_count=os.cpu_count(), threads_per_rank=args.threads_per_rank,
+                comm_workers=int(os.environ.get("FP8_COMM_WORKERS", "1") or 1), steps=args.steps,
                 warmup=args.warmup, batch=args.batch, bucket_mb=args.bucket_mb,
                 shaping="tc tbf on both ends of each node's veth, burst max(128 KB, 2 ms at the rate)",
                 step_ms="median over steps of the slowest rank's forward+backward+SGD step",

@@ -114,6 +114,10 @@ def test_worker_count_must_be_a_positive_integer(monkeypatch):
     assert _worker_count() == 2
     monkeypatch.delenv("FP8_COMM_WORKERS")
     assert _worker_count() == 1
+    assert _worker_count(torch.device("cpu")) == 1
+    assert _worker_count(torch.device("cuda", 0)) == 2   # the default on CUDA (no CUDA call is made)
+    monkeypatch.setenv("FP8_COMM_WORKERS", "1")
+    assert _worker_count(torch.device("cuda", 0)) == 1
     for bad in ("0", "-1", "two", ""):
         monkeypatch.setenv("FP8_COMM_WORKERS", bad)
         with pytest.raises(ValueError, match="FP8_COMM_WORKERS must be a positive integer"):
