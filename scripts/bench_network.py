@@ -340,9 +340,65 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time_model(spec, m, device, rank):
+class _Tracer:
+    """``--trace``: wall-clock spans of one rank's FP8 path (hook entries, every gloo exchange with
+    its host copies, each bucket's whole two_shot on its thread), kept for the step being timed, so
+    that the printed timeline shows where the wire sits idle. Patches module attributes of the
+    package in this rank's process only."""
+
+    def __init__(self):
+        import threading
+
+        from fp8_comm_hook import collectives, ddp
+
+        self.events, self.t0, self._lock = [], None, threading.Lock()
+        orig_x, orig_ts, orig_rb = collectives._exchange_layout_rows, collectives.two_shot, ddp.reduce_bucket
+
+        def span(name, fn, nbytes=0):
+            t = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                with self._lock:
+                    self.events.append((name, threading.current_thread().name, t, time.perf_counter(), nbytes))
+
+        def exchange(layout, out_name, in_name, row_for, group):
+            nbytes = getattr(layout, in_name).numel()
+            return span(f"exchange {out_name}", lambda: orig_x(layout, out_name, in_name, row_for, group), nbytes)
+
+        def two_shot(flat, *a, **k):
+            return span("two_shot", lambda: orig_ts(flat, *a, **k), flat.numel())
+
+        def reduce_bucket(state, flat, plan, last=True):
+            return span("hook", lambda: orig_rb(state, flat, plan, last), flat.numel())
+
+        collectives._exchange_layout_rows, collectives.two_shot, ddp.reduce_bucket = exchange, two_shot, reduce_bucket
+
+    def start(self):
+        with self._lock:
+            self.events, self.t0 = [], time.perf_counter()
+
+    def report(self, mode: str, step_ms: float) -> str:
+        """The kept step's events, in ms from the step's start, and the share of the step in which an
+        exchange was running."""
+        ev = sorted(self.events, key=lambda e: e[2])
+        lines = [f"  trace of {mode} (rank 0, last step, {step_ms:.1f} ms):"]
+        busy, end = 0.0, None
+        for name, thread, a, b, n in ev:
+            lines.append(f"    {1e3 * (a - self.t0):8.2f} - {1e3 * (b - self.t0):8.2f} ms  {thread:14s} {name:22s} {n:>11,d}")
+            if name.startswith("exchange"):
+                a = max(a, end) if end is not None else a
+                if b > a:
+                    busy += b - a
+                end = max(end or b, b)
+        lines.append(f"    exchanges running {1e3 * busy:.1f} ms of the step")
+        return "\n".join(lines)
+
+
+def _time_model(spec, m, device, rank, tracer=None):
     """Every mode's DDP model of spec ``m``, steps interleaved; returns (numel, {mode: [ms per step,
-    the slowest rank's]}, auto report)."""
+    the slowest rank's]}, auto report). With a :class:`_Tracer`, rank 0 prints the last step of each
+    FP8 mode."""
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -355,10 +411,13 @@ def _time_model(spec, m, device, rank):
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
         runs.append((mode, ddp, loss_fn, opt, state, []))
     numel = sum(p.numel() for p in runs[0][1].parameters())
+    last = spec["warmup"] + spec["steps"] - 1
     for i in range(spec["warmup"] + spec["steps"]):
         for mode, ddp, loss_fn, opt, state, times in runs:
             dist.barrier()
             _sync(device)
+            if tracer is not None:
+                tracer.start()
             t0 = time.perf_counter()
             loss_fn(ddp).backward()
             opt.step()
@@ -368,6 +427,8 @@ def _time_model(spec, m, device, rank):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if i >= spec["warmup"]:
                 times.append(float(t) * 1e3)
+            if tracer is not None and i == last and rank == 0 and mode.startswith("fp8"):
+                print(tracer.report(mode, float(t) * 1e3), flush=True)
     auto = next((st.auto_plan.report() for mode, _, _, _, st, _ in runs if mode == "auto"), None)
     out = {mode: times for mode, _, _, _, _, times in runs}
     del runs
@@ -406,8 +467,9 @@ def worker(spec_path: str, rank: int) -> None:
         print(f"link {set_txt}: plain fp32 all-reduce bus bandwidth {busbw or float('nan'):.3f} Gbit/s{ratio}",
               flush=True)
     rows = []
+    tracer = _Tracer() if spec.get("trace") else None
     for m in spec["models"]:
-        numel, times, auto = _time_model(spec, m, device, rank)
+        numel, times, auto = _time_model(spec, m, device, rank, tracer)
         for mode in spec["modes"]:
             row = dict(nodes=spec["nodes"], ranks_per_node=spec["ranks_per_node"], rate_gbit=rate,
                        measured_busbw_gbit=busbw, model=model_name(m, numel), numel=numel, mode=mode,
@@ -530,6 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--comm-workers", type=int, default=None,
                    help="FP8_COMM_WORKERS for the ranks: gloo communication threads (default: the environment's, else 1)")
+    p.add_argument("--trace", action="store_true",
+                   help="print rank 0's last step of each FP8 mode: hook entries, exchanges and their threads")
     p.add_argument("--threads-per-rank", type=int, default=1, help="torch threads and pinned cores per rank")
     p.add_argument("--no-pin", action="store_true", help="do not pin ranks to cores")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one link rate's world may take")
@@ -559,7 +623,8 @@ def run(args) -> dict:
                        batch=args.batch) for n in args.n_layer]
     base = dict(nodes=args.nodes, ranks_per_node=args.ranks_per_node, device=args.device, models=models,
                 modes=args.modes, steps=args.steps, warmup=args.warmup, bucket_mb=args.bucket_mb, config={},
-                threads_per_rank=args.threads_per_rank, pin=not args.no_pin, pg_timeout_s=600, log_auto=True)
+                threads_per_rank=args.threads_per_rank, pin=not args.no_pin, pg_timeout_s=600, log_auto=True,
+                trace=args.trace)
     if args.comm_workers is not None:
         if args.comm_workers < 1:
             raise ValueError(f"--comm-workers must be a positive integer, got {args.comm_workers}")
@@ -587,12 +652,20 @@ def run(args) -> dict:
     dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     meta = dict(device=dev, tensor_device=args.device, backend="gloo", torch=torch.__version__,
                 cpu_count=os.cpu_count(), threads_per_rank=args.threads_per_rank,
-                comm_workers=int(os.environ.get("FP8_COMM_WORKERS", "1") or 1), steps=args.steps,
+                comm_workers=_worker_count(torch.device(args.device)), steps=args.steps,
                 warmup=args.warmup, batch=args.batch, bucket_mb=args.bucket_mb,
                 shaping="tc tbf on both ends of each node's veth, burst max(128 KB, 2 ms at the rate)",
                 step_ms="median over steps of the slowest rank's forward+backward+SGD step",
                 commands=["python scripts/bench_network.py " + " ".join(sys.argv[1:])])
     return {"rows": rows, **meta}
+
+
+def _worker_count(device) -> int:
+    """The communication threads the ranks ran with (``FP8_COMM_WORKERS`` or the package's default
+    for ``device``)."""
+    from fp8_comm_hook.ddp import _worker_count as count
+
+    return count(device)
 
 
 def _default_out(device: str) -> str:
