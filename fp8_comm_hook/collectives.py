@@ -102,20 +102,22 @@ def piece_bytes(row_bytes: int) -> int:
 def _exchange_rows(recv: torch.Tensor, send_row, group) -> None:
     """gloo: row r of ``recv`` (uint8 [W, n]) from rank r, ``send_row(dst)`` (uint8 [n]) to every
     other rank ``dst``, in pieces of :func:`piece_bytes`, all posted at once, one tag per piece;
-    this rank's own row is copied. Returns when every piece has arrived."""
-    W, rank = dist.get_world_size(group), dist.get_rank(group)
+    this rank's own row is copied. Returns when every piece has arrived.
+
+    The pieces go straight to the process group's own send/recv (group ranks, no ``P2POp`` and no
+    ``batch_isend_irecv``): the Python wrappers cost more than the C++ call (96 pieces of a 4-rank
+    exchange, one core per rank: ~1.2 ms issued through ``batch_isend_irecv``, ~0.8 ms directly)."""
+    pg = dist.group.WORLD if group is None else group
+    W, rank = pg.size(), pg.rank()
     n = recv.shape[1]
     piece = piece_bytes(n)
-    ops = []
+    works = []
     for i in range(1, W):
         dst, src = (rank + i) % W, (rank - i) % W
-        gdst, gsrc = _global_rank(group, dst), _global_rank(group, src)
-        out = send_row(dst)
+        out, into = send_row(dst), recv[src]
         for tag, a in enumerate(range(0, n, piece)):
-            b = a + piece
-            ops.append(dist.P2POp(dist.isend, out[a:b], gdst, group, tag))
-            ops.append(dist.P2POp(dist.irecv, recv[src, a:b], gsrc, group, tag))
-    works = dist.batch_isend_irecv(ops) if ops else []
+            works.append(pg.send([out[a:a + piece]], dst, tag))
+            works.append(pg.recv([into[a:a + piece]], src, tag))
     recv[rank].copy_(send_row(rank))
     for w in works:
         w.wait()
@@ -125,12 +127,6 @@ def _in_pieces(group) -> bool:
     """Whether exchanges on ``group`` go as point-to-point pieces: on gloo (CUDA buffers staged
     through pinned host memory, see :func:`_exchange_layout_rows`)."""
     return dist.get_backend(group) == "gloo"
-
-
-def _global_rank(group, group_rank: int) -> int:
-    if group is None or group is dist.group.WORLD:
-        return group_rank
-    return dist.get_global_rank(group, group_rank)
 
 
 def _exchange_layout_rows(layout: BucketLayout, out_name: str, in_name: str, row_for, group) -> None:
