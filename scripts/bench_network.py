@@ -15,8 +15,9 @@ of each model in every mode, the modes' steps interleaved so drifts of the machi
   (per bucket FP8 or the plain all-reduce, from figures measured at registration; its choices are
   stored with its rows). FP8 modes use the config's defaults otherwise.
 
-Ranks run on CPU (each pinned to ``--threads-per-rank`` cores) or, with ``--device cuda``, as CUDA
-ranks sharing one GPU through gloo (NCCL refuses two ranks on one GPU). Models: ``--model mlp``
+Every rank is pinned to ``--threads-per-rank`` cores (default: the machine's cores split evenly
+between the ranks, as a node's ranks split its cores). Ranks run on CPU or, with ``--device cuda``, as
+CUDA ranks sharing one GPU through gloo (NCCL refuses two ranks on one GPU). Models: ``--model mlp``
 (``--depth`` layers of Linear(width, width) + ReLU; several depths give several models) or ``--model
 charlm`` (the trainer's byte-level transformer, scripts/train.py's CharGPT, scaled by ``--d-model``
 and ``--n-layer``).
@@ -594,7 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FP8_COMM_WORKERS for the ranks: gloo communication threads (default: the environment's, else 1)")
     p.add_argument("--trace", action="store_true",
                    help="print rank 0's last step of each FP8 mode: hook entries, exchanges and their threads")
-    p.add_argument("--threads-per-rank", type=int, default=1, help="torch threads and pinned cores per rank")
+    p.add_argument("--threads-per-rank", type=int, default=None,
+                   help="torch threads and pinned cores per rank (default: the machine's cores split evenly "
+                        "between the ranks, at least 1, as the ranks of a node split its cores)")
     p.add_argument("--no-pin", action="store_true", help="do not pin ranks to cores")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one link rate's world may take")
     p.add_argument("--out", default=None, help="output path without extension (default "
@@ -613,6 +616,10 @@ def run(args) -> dict:
     rates = _parse_rates(args.rates)
     if args.nodes < 1 or args.ranks_per_node < 1 or args.steps < 1 or args.warmup < 0:
         raise ValueError("--nodes, --ranks-per-node and --steps must be >= 1, --warmup >= 0")
+    if args.threads_per_rank is None:
+        args.threads_per_rank = max(1, (os.cpu_count() or 1) // (args.nodes * args.ranks_per_node))
+    if args.threads_per_rank < 1:
+        raise ValueError(f"--threads-per-rank must be a positive integer, got {args.threads_per_rank}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda needs a CUDA GPU; use --device cpu")
     require_tools()
