@@ -343,7 +343,8 @@ def _sync(device):
 
 class _Tracer:
     """``--trace``: wall-clock spans of one rank's FP8 path (hook entries, every gloo exchange with
-    its host copies, each bucket's whole two_shot on its thread), kept for the step being timed, so
+    its host copies and, inside it, its pieces on the wire, each bucket's whole two_shot on its
+    thread), kept for the step being timed, so
     that the printed timeline shows where the wire sits idle. Patches module attributes of the
     package in this rank's process only."""
 
@@ -354,6 +355,7 @@ class _Tracer:
 
         self.events, self.t0, self._lock = [], None, threading.Lock()
         orig_x, orig_ts, orig_rb = collectives._exchange_layout_rows, collectives.two_shot, ddp.reduce_bucket
+        orig_rows = collectives._exchange_rows
 
         def span(name, fn, nbytes=0):
             t = time.perf_counter()
@@ -367,6 +369,9 @@ class _Tracer:
             nbytes = getattr(layout, in_name).numel()
             return span(f"exchange {out_name}", lambda: orig_x(layout, out_name, in_name, row_for, group), nbytes)
 
+        def rows(recv, send_row, group):   # the wire part of an exchange, without its host copies
+            return span("  pieces", lambda: orig_rows(recv, send_row, group), recv.numel())
+
         def two_shot(flat, *a, **k):
             return span("two_shot", lambda: orig_ts(flat, *a, **k), flat.numel())
 
@@ -374,6 +379,7 @@ class _Tracer:
             return span("hook", lambda: orig_rb(state, flat, plan, last), flat.numel())
 
         collectives._exchange_layout_rows, collectives.two_shot, ddp.reduce_bucket = exchange, two_shot, reduce_bucket
+        collectives._exchange_rows = rows
 
     def start(self):
         with self._lock:
