@@ -191,6 +191,49 @@ class Cluster:
         return left
 
 
+class MPS:
+    """``--mps``: an NVIDIA MPS control daemon of its own (pipe and log folders in a temporary
+    directory), so that the CUDA ranks sharing the one GPU run their kernels side by side, as ranks
+    on GPUs of their own do, instead of taking turns in time slices between their contexts (a rank's
+    codec then waits for the other ranks' slices). Ranks started after :meth:`start` inherit its
+    environment; :meth:`stop` quits the daemon and removes the folders (safe to call more than once)."""
+
+    def __init__(self):
+        self.dir, self.env = None, {}
+
+    def start(self) -> "MPS":
+        exe = shutil.which("nvidia-cuda-mps-control")
+        if exe is None:
+            raise SetupError("--mps needs 'nvidia-cuda-mps-control' (the NVIDIA driver's utilities) on PATH")
+        self.dir = tempfile.mkdtemp(prefix="bench_network_mps_")
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": os.path.join(self.dir, "pipe"),
+                    "CUDA_MPS_LOG_DIRECTORY": os.path.join(self.dir, "log")}
+        for d in self.env.values():
+            os.makedirs(d)
+        p = subprocess.run([exe, "-d"], env=dict(os.environ, **self.env), stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            self.stop()
+            raise SetupError(f"nvidia-cuda-mps-control -d failed ({p.returncode}): {p.stderr.strip()}")
+        os.environ.update(self.env)
+        return self
+
+    def stop(self) -> None:
+        if self.dir is None:
+            return
+        exe = shutil.which("nvidia-cuda-mps-control")
+        if exe is not None and os.path.exists(os.path.join(self.env["CUDA_MPS_PIPE_DIRECTORY"], "control")):
+            try:
+                subprocess.run([exe], input="quit\n", env=dict(os.environ, **self.env), capture_output=True,
+                               text=True, timeout=30)
+            except subprocess.TimeoutExpired:
+                print(f"WARNING: the MPS daemon of {self.dir} did not quit within 30 s", file=sys.stderr)
+        for k in self.env:
+            os.environ.pop(k, None)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir = None
+
+
 # ====================================================================================== one world
 class _Terminate(Exception):
     pass
@@ -605,6 +648,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads and pinned cores per rank (default: the machine's cores split evenly "
                         "between the ranks, at least 1, as the ranks of a node split its cores)")
     p.add_argument("--no-pin", action="store_true", help="do not pin ranks to cores")
+    p.add_argument("--mps", action="store_true",
+                   help="with --device cuda: run the ranks as clients of an MPS daemon of their own, so that "
+                        "they share the GPU side by side, as ranks on GPUs of their own, not in time slices")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds one link rate's world may take")
     p.add_argument("--out", default=None, help="output path without extension (default "
                    "benchmarks/results/network-cpu, or network-<gpu> with --device cuda)")
@@ -626,9 +672,20 @@ def run(args) -> dict:
         args.threads_per_rank = max(1, (os.cpu_count() or 1) // (args.nodes * args.ranks_per_node))
     if args.threads_per_rank < 1:
         raise ValueError(f"--threads-per-rank must be a positive integer, got {args.threads_per_rank}")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda needs a CUDA GPU; use --device cpu")
+    if args.mps and args.device != "cuda":
+        raise ValueError("--mps needs --device cuda (it shares one GPU between the CUDA ranks)")
     require_tools()
+    mps = MPS().start() if args.mps else None   # before this process touches CUDA
+    try:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda needs a CUDA GPU; use --device cpu")
+        return _run_cluster(args, rates, torch)
+    finally:
+        if mps is not None:
+            mps.stop()
+
+
+def _run_cluster(args, rates, torch) -> dict:
     if args.model == "mlp":
         models = [dict(kind="mlp", width=args.width, depth=d, batch=args.batch) for d in args.depth]
     else:
@@ -666,6 +723,7 @@ def run(args) -> dict:
     meta = dict(device=dev, tensor_device=args.device, backend="gloo", torch=torch.__version__,
                 cpu_count=os.cpu_count(), threads_per_rank=args.threads_per_rank,
                 comm_workers=_worker_count(torch.device(args.device)), steps=args.steps,
+                gpu_sharing=("mps" if args.mps else "time slices") if args.device == "cuda" else None,
                 warmup=args.warmup, batch=args.batch, bucket_mb=args.bucket_mb,
                 shaping="tc tbf on both ends of each node's veth, burst max(128 KB, 2 ms at the rate)",
                 step_ms="median over steps of the slowest rank's forward+backward+SGD step",

@@ -107,3 +107,34 @@ def test_rates_parse():
         bn._parse_rates(["fast"])
     with pytest.raises(ValueError, match="> 0"):
         bn._parse_rates(["0"])
+
+
+def test_mps_needs_cuda_ranks_and_its_daemon(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="--mps needs --device cuda"):
+        bn.run(bn.build_parser().parse_args(["--mps", "--device", "cpu"]))
+    monkeypatch.setattr(bn.shutil, "which", lambda tool: None)
+    with pytest.raises(bn.SetupError, match="nvidia-cuda-mps-control"):
+        bn.MPS().start()
+
+
+def test_mps_daemon_env_is_set_for_the_ranks_and_removed_after(monkeypatch, tmp_path):
+    """A stand-in control program records how it was called: -d with the pipe and log folders in the
+    environment, then 'quit' on stdin; afterwards the folders and the variables are gone."""
+    log = tmp_path / "calls"
+    exe = tmp_path / "nvidia-cuda-mps-control"
+    exe.write_text("#!/bin/sh\n"
+                   f"echo \"$* pipe=$CUDA_MPS_PIPE_DIRECTORY stdin=$(cat)\" >> {log}\n"
+                   "mkfifo \"$CUDA_MPS_PIPE_DIRECTORY/control\" 2>/dev/null || true\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    mps = bn.MPS()
+    mps.start()
+    pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+    assert pipe.startswith(mps.dir) and os.path.isdir(os.environ["CUDA_MPS_LOG_DIRECTORY"])
+    folder = mps.dir
+    mps.stop()
+    mps.stop()  # twice is fine
+    calls = log.read_text().splitlines()
+    assert calls[0].startswith(f"-d pipe={pipe}") and calls[1] == f" pipe={pipe} stdin=quit"
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in os.environ and not os.path.exists(folder)
