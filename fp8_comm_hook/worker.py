@@ -10,8 +10,10 @@ issued from this thread, never from a Future callback (gloo can deadlock on coll
 its callbacks once several buckets are in flight), and on a process group of their own, so that they
 cannot interleave with collectives the training issues on the data-parallel group meanwhile.
 """
+import atexit
 import queue
 import threading
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -43,6 +45,19 @@ def _serve(jobs: "queue.SimpleQueue", num_threads: int) -> None:
             fut.set_exception(e)
 
 
+_LIVE: "weakref.WeakSet[CommWorker]" = weakref.WeakSet()
+_EXIT_JOIN_S = 10.0
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    """At interpreter exit, let every live worker finish its queued jobs and join its thread (up to
+    :data:`_EXIT_JOIN_S` each): a daemon thread left inside torch or gloo while C++ statics are torn
+    down can abort the process after training has finished."""
+    for w in list(_LIVE):
+        w.close(join_s=_EXIT_JOIN_S)
+
+
 class CommWorker:
     """A daemon thread running submitted jobs one after another, in submission order.
 
@@ -65,6 +80,7 @@ class CommWorker:
             self._thread = threading.Thread(target=_serve, args=(self._jobs, torch.get_num_threads()), name=self.name,
                                             daemon=True)
             self._thread.start()
+            _LIVE.add(self)
         ready = None
         if device is not None and device.type == "cuda":
             ev = torch.cuda.Event()
@@ -76,11 +92,15 @@ class CommWorker:
         self._jobs.put((fn, fut, ready))
         return fut
 
-    def close(self) -> None:
-        """Let the thread finish the queued jobs and stop."""
-        if self._thread is not None:
+    def close(self, join_s: Optional[float] = None) -> None:
+        """Let the thread finish the queued jobs and stop; with ``join_s``, wait up to that many
+        seconds for it to end."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._jobs.put(None)
-            self._thread = None
+            _LIVE.discard(self)
+            if join_s is not None and thread is not threading.current_thread():
+                thread.join(join_s)
 
     def __del__(self):
         try:

@@ -154,6 +154,26 @@ def test_comm_worker_runs_in_order_on_its_thread_and_reports_errors():
     w.close()
 
 
+def test_comm_worker_finishes_its_queue_and_joins_at_exit():
+    """close(join_s) runs what was queued before it, then the thread ends; the exit handler does the
+    same for every live worker, so no worker thread is inside torch while the interpreter ends."""
+    import time
+
+    from fp8_comm_hook import worker as wmod
+
+    w = CommWorker(name="fp8-comm-exit")
+    done = []
+    futs = [w.submit(lambda i=i: (time.sleep(0.02), done.append(i), torch.tensor(i))[2]) for i in range(5)]
+    thread = w._thread
+    assert w in wmod._LIVE
+    wmod._close_all_at_exit()
+    assert not thread.is_alive() and done == list(range(5)) and [int(f.wait()) for f in futs] == done
+    assert w not in wmod._LIVE and w._thread is None
+    w.close(join_s=1.0)   # closing again is a no-op
+    assert int(w.submit(lambda: torch.tensor(3)).wait()) == 3   # a closed worker starts a new thread
+    w.close(join_s=5.0)
+
+
 def test_gloo_piece_sizes():
     """Rows go in pieces of 128 KB, and in at most GLOO_MAX_PIECES pieces (4 KB multiples) when that
     makes them larger; the pieces cover every row exactly."""
