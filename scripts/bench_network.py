@@ -531,7 +531,9 @@ def worker(spec_path: str, rank: int) -> None:
                 print(f"  {row['model']:28s} {LABELS[mode]:13s} step {row['step_ms']:9.2f} ms", flush=True)
     if rank == 0:
         with open(spec["result"], "w") as f:
-            json.dump({"rows": rows}, f)
+            # the device's name comes from a rank: the launcher never opens a CUDA context of its own
+            # (an MPS daemon waits for every client before it quits)
+            json.dump({"rows": rows, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -701,7 +703,7 @@ def _run_cluster(args, rates, torch) -> dict:
         os.environ["FP8_COMM_WORKERS"] = str(args.comm_workers)  # the ranks inherit it
     cluster = Cluster(args.nodes)
     old = {s: signal.signal(s, _raise_terminate) for s in (signal.SIGTERM, signal.SIGHUP)}
-    rows = []
+    rows, dev = [], "cpu"
     try:
         cluster.up()
         print(f"cluster: {args.nodes} nodes x {args.ranks_per_node} ranks, namespaces {', '.join(cluster.netns)}, "
@@ -710,6 +712,7 @@ def _run_cluster(args, rates, torch) -> dict:
             cluster.shape(rate)
             res = run_world(cluster, args.ranks_per_node, dict(base, rate_gbit=rate), timeout_s=args.timeout)
             rows += res["rows"]
+            dev = res.get("device", dev)
     finally:
         failed = cluster.down()
         left = cluster.leftovers()
@@ -719,7 +722,6 @@ def _run_cluster(args, rates, torch) -> dict:
             print(f"WARNING: could not remove {failed + left}", file=sys.stderr)
         else:
             print(f"removed the cluster ({', '.join(cluster.netns)}, {cluster.bridge})", flush=True)
-    dev = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     meta = dict(device=dev, tensor_device=args.device, backend="gloo", torch=torch.__version__,
                 cpu_count=os.cpu_count(), threads_per_rank=args.threads_per_rank,
                 comm_workers=_worker_count(torch.device(args.device)), steps=args.steps,
@@ -739,13 +741,12 @@ def _worker_count(device) -> int:
     return count(device)
 
 
-def _default_out(device: str) -> str:
-    if device == "cpu":
+def _default_out(device_name: str) -> str:
+    """benchmarks/results/network-cpu, or network-<the GPU model, e.g. h200> for CUDA ranks."""
+    if device_name == "cpu":
         return "benchmarks/results/network-cpu"
-    import torch
-
-    name = torch.cuda.get_device_name(0).lower().split()
-    return "benchmarks/results/network-" + (name[-1] if name else "cuda")
+    words = [w for w in device_name.lower().split() if any(c.isdigit() for c in w) and w[0].isalpha()]
+    return "benchmarks/results/network-" + (words[0] if words else "cuda")
 
 
 def main(argv=None):
@@ -758,7 +759,7 @@ def main(argv=None):
     except SetupError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = args.out or _default_out(args.device)
+    out = args.out or _default_out(result["device"])
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     if args.append and os.path.exists(out + ".json"):
         with open(out + ".json") as f:
