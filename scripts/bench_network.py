@@ -199,10 +199,10 @@ class MPS:
     environment; :meth:`stop` quits the daemon and removes the folders (safe to call more than once)."""
 
     def __init__(self):
-        self.dir, self.env = None, {}
+        self.exe, self.dir, self.env = None, None, {}
 
     def start(self) -> "MPS":
-        exe = shutil.which("nvidia-cuda-mps-control")
+        self.exe = exe = shutil.which("nvidia-cuda-mps-control")
         if exe is None:
             raise SetupError("--mps needs 'nvidia-cuda-mps-control' (the NVIDIA driver's utilities) on PATH")
         self.dir = tempfile.mkdtemp(prefix="bench_network_mps_")
@@ -221,10 +221,9 @@ class MPS:
     def stop(self) -> None:
         if self.dir is None:
             return
-        exe = shutil.which("nvidia-cuda-mps-control")
-        if exe is not None and os.path.exists(os.path.join(self.env["CUDA_MPS_PIPE_DIRECTORY"], "control")):
+        if os.path.exists(os.path.join(self.env["CUDA_MPS_PIPE_DIRECTORY"], "control")):
             try:
-                subprocess.run([exe], input="quit\n", env=dict(os.environ, **self.env), capture_output=True,
+                subprocess.run([self.exe], input="quit\n", env=dict(os.environ, **self.env), capture_output=True,
                                text=True, timeout=30)
             except subprocess.TimeoutExpired:
                 print(f"WARNING: the MPS daemon of {self.dir} did not quit within 30 s", file=sys.stderr)
@@ -387,9 +386,8 @@ def _sync(device):
 class _Tracer:
     """``--trace``: wall-clock spans of one rank's FP8 path (hook entries, every gloo exchange with
     its host copies and, inside it, its pieces on the wire, each bucket's whole two_shot on its
-    thread), kept for the step being timed, so
-    that the printed timeline shows where the wire sits idle. Patches module attributes of the
-    package in this rank's process only."""
+    thread), kept for the step being timed, so that the printed timeline shows where the wire sits
+    idle. Patches module attributes of the package in this rank's process only."""
 
     def __init__(self):
         import threading
@@ -643,7 +641,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--comm-workers", type=int, default=None,
-                   help="FP8_COMM_WORKERS for the ranks: gloo communication threads (default: the environment's, else 1)")
+                   help="FP8_COMM_WORKERS for the ranks: gloo communication threads (default: the environment's, else "
+                        "the package's: 2 for CUDA ranks, 1 on CPU)")
     p.add_argument("--trace", action="store_true",
                    help="print rank 0's last step of each FP8 mode: hook entries, exchanges and their threads")
     p.add_argument("--threads-per-rank", type=int, default=None,
@@ -681,13 +680,16 @@ def run(args) -> dict:
     try:
         if args.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda needs a CUDA GPU; use --device cpu")
-        return _run_cluster(args, rates, torch)
+        return _run_cluster(args, rates)
     finally:
         if mps is not None:
             mps.stop()
 
 
-def _run_cluster(args, rates, torch) -> dict:
+def _run_cluster(args, rates) -> dict:
+    """:func:`run` once the checks passed (and the MPS daemon, if any, is up)."""
+    import torch
+
     if args.model == "mlp":
         models = [dict(kind="mlp", width=args.width, depth=d, batch=args.batch) for d in args.depth]
     else:

@@ -109,7 +109,7 @@ def test_rates_parse():
         bn._parse_rates(["0"])
 
 
-def test_mps_needs_cuda_ranks_and_its_daemon(monkeypatch, tmp_path):
+def test_mps_needs_cuda_ranks_and_its_daemon(monkeypatch):
     with pytest.raises(ValueError, match="--mps needs --device cuda"):
         bn.run(bn.build_parser().parse_args(["--mps", "--device", "cpu"]))
     monkeypatch.setattr(bn.shutil, "which", lambda tool: None)
