@@ -42,13 +42,15 @@ log = logging.getLogger("fp8_comm_hook")
 
 #: Sizes (fp32 elements) of the timed all-reduces and of the timed codec runs.
 ALL_REDUCE_SIZES = (4096, 1 << 20)
-#: Where the larger timed all-reduce finished within ``FAST_LINK_S`` on every rank, its cost per byte
-#: is measured again at ``LARGE_ALL_REDUCE`` elements (16 MB of fp32): on a fast link a 4 MB
-#: all-reduce still rides on socket buffers and scheduling luck (over an unshaped veth between two
-#: CPU ranks, 2.1 to 5.3 ms from run to run, a cost per byte half of what 25 MB buckets pay), and
-#: the model then sent 12.6M-element fp32 buckets plain where the bf16 recipe was faster.
-LARGE_ALL_REDUCE = 1 << 22
-FAST_LINK_S = 0.02
+#: The larger timed all-reduce grows (x4, up to ``MAX_ALL_REDUCE`` elements: 64 MB of fp32) until it
+#: takes ``SUSTAINED_S`` on the slowest rank. A shorter one rides on the link's burst allowance and
+#: the socket buffers and looks cheaper per byte than a 25 MB bucket pays: over 4 nodes on 10 Gbit/s
+#: links (CUDA ranks through gloo) 4 MB all-reduces gave 12.4 Gbit/s of bus bandwidth, 16 MB 9.7 and
+#: 64 MB 8.8 (the sustained rate); over an unshaped veth between two CPU ranks 4 MB took 2.1 to 5.3 ms
+#: from run to run, half the cost per byte of 25 MB buckets, and the model then sent 12.6M-element
+#: fp32 buckets plain where the bf16 recipe was faster.
+SUSTAINED_S = 0.05
+MAX_ALL_REDUCE = 1 << 24
 CODEC_SIZES = (1 << 16, 1 << 20)
 REPEATS = 5
 
@@ -241,15 +243,16 @@ def slowest_rank_s(seconds: float, group, device: torch.device) -> float:
 def measure_local(state, device: torch.device, all_reduce_sizes: Sequence[int] = ALL_REDUCE_SIZES,
                   codec_sizes: Sequence[int] = CODEC_SIZES, repeats: int = REPEATS) -> Figures:
     """This rank's figures: fp32 all-reduces of two sizes on the state's group (a collective: every
-    rank of the group must call it at the same point; the larger becomes ``LARGE_ALL_REDUCE`` on a
-    link where it took under ``FAST_LINK_S``), bf16 all-reduces of the same sizes where the
-    group sums bf16 (else ``bf16_s_per_elem`` is -1), the codec and the bf16 recipe's casts at two
-    sizes on ``device``."""
+    rank of the group must call it at the same point; the larger grows until it takes
+    ``SUSTAINED_S`` on the slowest rank, see ``MAX_ALL_REDUCE``), bf16 all-reduces of the same sizes
+    where the group sums bf16 (else ``bf16_s_per_elem`` is -1), the codec and the bf16 recipe's
+    casts at two sizes on ``device``."""
     (n1, n2), (c1, c2) = sorted(all_reduce_sizes), sorted(codec_sizes)
     t1 = collectives.time_all_reduce(n1, state.group, device, repeats)
     t2 = collectives.time_all_reduce(n2, state.group, device, repeats)
-    if n2 < LARGE_ALL_REDUCE and slowest_rank_s(t2, state.group, device) < FAST_LINK_S:
-        n2 = LARGE_ALL_REDUCE   # every rank takes this branch: it decides on the same (slowest) time
+    # every rank decides on the same (slowest) time, so every rank runs the same all-reduces
+    while n2 < MAX_ALL_REDUCE and slowest_rank_s(t2, state.group, device) < SUSTAINED_S:
+        n2 = min(4 * n2, MAX_ALL_REDUCE)
         t2 = collectives.time_all_reduce(n2, state.group, device, repeats)
     latency, per_byte = fit_line(4 * n1, t1, 4 * n2, t2)
     if per_byte == 0.0:

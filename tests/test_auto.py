@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ddp_checks import batch, digest, exact_mean, local_grads, mlp, rel_err
 from dist_harness import run_world, values
 from fp8_comm_hook import FP8CommConfig, FP8CommState, register_ddp_hook
-from fp8_comm_hook import autotune
+from fp8_comm_hook import autotune, collectives
 from fp8_comm_hook.autotune import AutoPlan, Figures, break_even_numel, choose, combine, fit_line
 
 # A 1 Gbit/s-like link (8 ns per byte of tensor, 50 us per collective) and a codec of 200 us + 2 ns/element.
@@ -97,31 +97,68 @@ def _fake_measurements(monkeypatch, times, slowest=lambda s: s, codec_per_elem=1
     monkeypatch.setattr(autotune, "time_cast", lambda n, W, dev, rep: 1e-10 * n)
 
 
-def test_fast_link_is_measured_again_at_the_large_size(monkeypatch):
-    """A 1M-element all-reduce under FAST_LINK_S on the slowest rank: the cost per byte comes from
-    4096 and LARGE_ALL_REDUCE elements (the measured unshaped-veth case: 4 MB looked twice as fast
-    per byte as a bucket, and 12.6M-element buckets went plain where bf16 was faster); a 1M one
-    that took longer on any rank (a slow link, where it already measures the bandwidth) is kept.
-    Every rank decides on the slowest rank's time, so all take the same branch."""
+def test_larger_all_reduce_grows_until_it_measures_the_sustained_rate(monkeypatch):
+    """The larger timed all-reduce grows x4 from 1M elements while the slowest rank took under
+    SUSTAINED_S, up to MAX_ALL_REDUCE: short transfers ride on the link's burst and the socket
+    buffers (the unshaped-veth case: 4 MB looked twice as fast per byte as a bucket, and
+    12.6M-element buckets went plain where bf16 was faster). bf16 is timed at the same final size.
+    Every rank decides on the slowest rank's time, so all run the same all-reduces."""
     from types import SimpleNamespace
-    big = autotune.LARGE_ALL_REDUCE
-    times = {(4096, torch.float32): 0.3e-3, (1 << 20, torch.float32): 2.3e-3, (big, torch.float32): 16.3e-3,
-             (4096, torch.bfloat16): 0.3e-3, (1 << 20, torch.bfloat16): 3.0e-3, (big, torch.bfloat16): 9.0e-3}
+    M = 1 << 20
+    assert autotune.MAX_ALL_REDUCE == 16 * M and autotune.SUSTAINED_S == 0.05
+    f32, b16 = torch.float32, torch.bfloat16
+    times = {(4096, f32): 0.3e-3, (M, f32): 2.3e-3, (4 * M, f32): 16.3e-3, (16 * M, f32): 64.3e-3,
+             (4096, b16): 0.3e-3, (M, b16): 3.0e-3, (4 * M, b16): 9.0e-3, (16 * M, b16): 36.0e-3}
+    asked = []
+
+    def timed(table):
+        def t(n, group, device, repeats, dtype=torch.float32):
+            asked.append((n, dtype))
+            return table[(n, dtype)]
+        return t
+
     state = SimpleNamespace(group=None, config=FP8CommConfig(), world_size=2, rank=0, codec_for=lambda d: None)
     _fake_measurements(monkeypatch, times, codec_per_elem=9e-9)   # the torch codec on one CPU core
+    monkeypatch.setattr(collectives, "time_all_reduce", timed(times))
     f = autotune.measure_local(state, torch.device("cpu"))
-    assert f.s_per_byte == pytest.approx((16.3e-3 - 0.3e-3) / (4 * (big - 4096)))
-    assert f.bf16_s_per_elem == pytest.approx((9.0e-3 - 0.3e-3) / (big - 4096))
+    assert [n for n, d in asked if d == f32] == [4096, M, 4 * M, 16 * M]
+    assert [n for n, d in asked if d == b16] == [4096, 16 * M]
+    assert f.s_per_byte == pytest.approx((64.3e-3 - 0.3e-3) / (4 * (16 * M - 4096)))
+    assert f.latency_s == pytest.approx(0.3e-3 - f.s_per_byte * 4 * 4096)
+    assert f.bf16_s_per_elem == pytest.approx((36.0e-3 - 0.3e-3) / (16 * M - 4096))
     # the 12.6M-element fp32 bucket of that run: bf16 now, plain with the 4 MB figure
     assert choose(f, 12_595_200, 4, BPE, cast=True) == "bf16"
-    four_mb = Figures(*autotune.fit_line(4 * 4096, 0.3e-3, 4 << 20, 2.3e-3), f.codec_fixed_s, f.codec_s_per_elem,
-                      f.cast_s_per_elem, autotune.fit_line(4096, 0.3e-3, 1 << 20, 3.0e-3)[1])
+    four_mb = Figures(*autotune.fit_line(4 * 4096, 0.3e-3, 4 * M, 2.3e-3), f.codec_fixed_s, f.codec_s_per_elem,
+                      f.cast_s_per_elem, autotune.fit_line(4096, 0.3e-3, M, 3.0e-3)[1])
     assert choose(four_mb, 12_595_200, 4, BPE, cast=True) == "none"
-    # another rank took FAST_LINK_S or longer for its 1M all-reduce: every rank keeps 1M
-    _fake_measurements(monkeypatch, times, slowest=lambda s: max(s, autotune.FAST_LINK_S), codec_per_elem=9e-9)
+
+    # the growth stops at the first size that took SUSTAINED_S on the slowest rank (here another
+    # rank's 4M took 50 ms): every rank fits on 4M
+    asked.clear()
+    _fake_measurements(monkeypatch, times, slowest=lambda s: s if s < 10e-3 else max(s, 0.05), codec_per_elem=9e-9)
+    monkeypatch.setattr(collectives, "time_all_reduce", timed(times))
     f = autotune.measure_local(state, torch.device("cpu"))
-    assert f.s_per_byte == pytest.approx((2.3e-3 - 0.3e-3) / (4 * ((1 << 20) - 4096)))
-    assert f.bf16_s_per_elem == pytest.approx((3.0e-3 - 0.3e-3) / ((1 << 20) - 4096))
+    assert [n for n, d in asked if d == f32] == [4096, M, 4 * M]
+    assert f.s_per_byte == pytest.approx((16.3e-3 - 0.3e-3) / (4 * (4 * M - 4096)))
+    assert f.bf16_s_per_elem == pytest.approx((9.0e-3 - 0.3e-3) / (4 * M - 4096))
+
+    # a slow link: the 1M all-reduce already took SUSTAINED_S, nothing larger is timed
+    asked.clear()
+    _fake_measurements(monkeypatch, times, slowest=lambda s: max(s, autotune.SUSTAINED_S), codec_per_elem=9e-9)
+    monkeypatch.setattr(collectives, "time_all_reduce", timed(times))
+    f = autotune.measure_local(state, torch.device("cpu"))
+    assert [n for n, d in asked if d == f32] == [4096, M]
+    assert f.s_per_byte == pytest.approx((2.3e-3 - 0.3e-3) / (4 * (M - 4096)))
+    assert f.bf16_s_per_elem == pytest.approx((3.0e-3 - 0.3e-3) / (M - 4096))
+
+    # a link too fast to reach SUSTAINED_S below the cap: the cap's time is used
+    asked.clear()
+    fast = {k: v / 100 for k, v in times.items()}
+    _fake_measurements(monkeypatch, fast, codec_per_elem=9e-9)
+    monkeypatch.setattr(collectives, "time_all_reduce", timed(fast))
+    f = autotune.measure_local(state, torch.device("cpu"))
+    assert [n for n, d in asked if d == f32] == [4096, M, 4 * M, 16 * M]
+    assert f.s_per_byte == pytest.approx((64.3e-5 - 0.3e-5) / (4 * (16 * M - 4096)))
 
 
 def test_noisy_all_reduce_timings_never_make_the_link_free(monkeypatch):
@@ -132,8 +169,8 @@ def test_noisy_all_reduce_timings_never_make_the_link_free(monkeypatch):
     from fp8_comm_hook import collectives
     times = {(4096, torch.float32): 5.2e-3, (1 << 20, torch.float32): 5.1e-3,
              (4096, torch.bfloat16): 3.0e-3, (1 << 20, torch.bfloat16): 2.9e-3}
-    # another rank's 1M all-reduce took FAST_LINK_S: no second measurement at the large size
-    _fake_measurements(monkeypatch, times, slowest=lambda s: autotune.FAST_LINK_S)
+    # another rank's 1M all-reduce took SUSTAINED_S: nothing larger is timed
+    _fake_measurements(monkeypatch, times, slowest=lambda s: autotune.SUSTAINED_S)
     state = SimpleNamespace(group=None, config=FP8CommConfig(), world_size=2, rank=0, codec_for=lambda d: None)
     f = autotune.measure_local(state, torch.device("cpu"))
     assert f.latency_s == 0.0 and f.s_per_byte == pytest.approx(5.1e-3 / (4 << 20))
