@@ -101,16 +101,8 @@ def piece_bytes(row_bytes: int) -> int:
 
 def _exchange_rows(recv: torch.Tensor, send_row, group) -> None:
     """gloo: row r of ``recv`` (uint8 [W, n]) from rank r, ``send_row(dst)`` (uint8 [n]) to every
-    other rank ``dst``, in pieces of :func:`piece_bytes`, one tag per piece; this rank's own row is
-    copied. Returns when every piece has arrived.
-
-    The exchange goes in W - 1 rounds, round i sending to rank + i and receiving from rank - i (all
-    of that round's pieces posted at once), the next round posted when this one is complete: every
-    link then carries one flow at a time in each direction, as in a ring. Posting every round at
-    once let each node's incoming link take packets from W - 1 senders at once, and the queues on
-    the two ends of the links took turns idling: over 4 nodes on shaped 1 Gbit/s links (rows of
-    1.65 MB, the 25 MB bucket's) the all-at-once exchange moved 0.74-0.77 Gbit/s out of each node,
-    the rounds 0.85-0.88, a ring all-reduce 0.96-0.97 (3 nodes: 0.74 against 0.91).
+    other rank ``dst``, in pieces of :func:`piece_bytes`, all posted at once, one tag per piece;
+    this rank's own row is copied. Returns when every piece has arrived.
 
     The pieces go straight to the process group's own send/recv (group ranks, no ``P2POp`` and no
     ``batch_isend_irecv``): the Python wrappers cost more than the C++ call (96 pieces of a 4-rank
@@ -119,16 +111,16 @@ def _exchange_rows(recv: torch.Tensor, send_row, group) -> None:
     W, rank = pg.size(), pg.rank()
     n = recv.shape[1]
     piece = piece_bytes(n)
-    recv[rank].copy_(send_row(rank))
+    works = []
     for i in range(1, W):
         dst, src = (rank + i) % W, (rank - i) % W
         out, into = send_row(dst), recv[src]
-        works = []
         for tag, a in enumerate(range(0, n, piece)):
             works.append(pg.send([out[a:a + piece]], dst, tag))
             works.append(pg.recv([into[a:a + piece]], src, tag))
-        for w in works:
-            w.wait()
+    recv[rank].copy_(send_row(rank))
+    for w in works:
+        w.wait()
 
 
 def _in_pieces(group) -> bool:
