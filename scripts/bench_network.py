@@ -48,6 +48,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # the launcher imports the package too (a checkout need not be installed)
+    sys.path.insert(0, ROOT)
 MODES = ("fp32", "bf16", "fp8", "fp8_ef", "auto")
 LABELS = {"fp32": "fp32", "bf16": "bf16 hook", "fp8": "fp8 two_shot", "fp8_ef": "fp8 + EF", "auto": "auto"}
 
