@@ -84,13 +84,16 @@ def test_bf16_is_chosen_where_it_is_predicted_fastest():
     assert [b["predicted_bf16_ms"] is None for b in rep["buckets"]] == [True, False]  # sorted: (n, 2), (n, 4)
 
 
-def _fake_measurements(monkeypatch, times, slowest=lambda s: s, codec_per_elem=1e-9):
-    """measure_local's timers replaced: all-reduce times from ``times[(numel, dtype)]``, the codec
-    100 us + ``codec_per_elem`` s/element, the casts 0.1 ns/element; ``slowest`` stands for the MAX
-    over ranks."""
-    from fp8_comm_hook import collectives
-    monkeypatch.setattr(collectives, "time_all_reduce",
-                        lambda n, group, device, repeats, dtype=torch.float32: times[(n, dtype)])
+def _fake_measurements(monkeypatch, times, slowest=lambda s: s, codec_per_elem=1e-9, asked=None):
+    """measure_local's timers replaced: all-reduce times from ``times[(numel, dtype)]`` (each
+    ``(numel, dtype)`` asked for appended to ``asked`` where given), the codec 100 us +
+    ``codec_per_elem`` s/element, the casts 0.1 ns/element; ``slowest`` stands for the MAX over ranks."""
+    def time_all_reduce(n, group, device, repeats, dtype=torch.float32):
+        if asked is not None:
+            asked.append((n, dtype))
+        return times[(n, dtype)]
+
+    monkeypatch.setattr(collectives, "time_all_reduce", time_all_reduce)
     monkeypatch.setattr(collectives, "bf16_all_reduce_works", lambda group, device: True)
     monkeypatch.setattr(autotune, "slowest_rank_s", lambda s, group, device: slowest(s))
     monkeypatch.setattr(autotune, "time_codec", lambda codec, cfg, n, W, r, dev, rep: 1e-4 + codec_per_elem * n)
@@ -110,16 +113,8 @@ def test_larger_all_reduce_grows_until_it_measures_the_sustained_rate(monkeypatc
     times = {(4096, f32): 0.3e-3, (M, f32): 2.3e-3, (4 * M, f32): 16.3e-3, (16 * M, f32): 64.3e-3,
              (4096, b16): 0.3e-3, (M, b16): 3.0e-3, (4 * M, b16): 9.0e-3, (16 * M, b16): 36.0e-3}
     asked = []
-
-    def timed(table):
-        def t(n, group, device, repeats, dtype=torch.float32):
-            asked.append((n, dtype))
-            return table[(n, dtype)]
-        return t
-
     state = SimpleNamespace(group=None, config=FP8CommConfig(), world_size=2, rank=0, codec_for=lambda d: None)
-    _fake_measurements(monkeypatch, times, codec_per_elem=9e-9)   # the torch codec on one CPU core
-    monkeypatch.setattr(collectives, "time_all_reduce", timed(times))
+    _fake_measurements(monkeypatch, times, codec_per_elem=9e-9, asked=asked)   # the torch codec on one CPU core
     f = autotune.measure_local(state, torch.device("cpu"))
     assert [n for n, d in asked if d == f32] == [4096, M, 4 * M, 16 * M]
     assert [n for n, d in asked if d == b16] == [4096, 16 * M]
@@ -135,8 +130,8 @@ def test_larger_all_reduce_grows_until_it_measures_the_sustained_rate(monkeypatc
     # the growth stops at the first size that took SUSTAINED_S on the slowest rank (here another
     # rank's 4M took 50 ms): every rank fits on 4M
     asked.clear()
-    _fake_measurements(monkeypatch, times, slowest=lambda s: s if s < 10e-3 else max(s, 0.05), codec_per_elem=9e-9)
-    monkeypatch.setattr(collectives, "time_all_reduce", timed(times))
+    _fake_measurements(monkeypatch, times, slowest=lambda s: s if s < 10e-3 else max(s, 0.05), codec_per_elem=9e-9,
+                       asked=asked)
     f = autotune.measure_local(state, torch.device("cpu"))
     assert [n for n, d in asked if d == f32] == [4096, M, 4 * M]
     assert f.s_per_byte == pytest.approx((16.3e-3 - 0.3e-3) / (4 * (4 * M - 4096)))
@@ -144,8 +139,8 @@ def test_larger_all_reduce_grows_until_it_measures_the_sustained_rate(monkeypatc
 
     # a slow link: the 1M all-reduce already took SUSTAINED_S, nothing larger is timed
     asked.clear()
-    _fake_measurements(monkeypatch, times, slowest=lambda s: max(s, autotune.SUSTAINED_S), codec_per_elem=9e-9)
-    monkeypatch.setattr(collectives, "time_all_reduce", timed(times))
+    _fake_measurements(monkeypatch, times, slowest=lambda s: max(s, autotune.SUSTAINED_S), codec_per_elem=9e-9,
+                       asked=asked)
     f = autotune.measure_local(state, torch.device("cpu"))
     assert [n for n, d in asked if d == f32] == [4096, M]
     assert f.s_per_byte == pytest.approx((2.3e-3 - 0.3e-3) / (4 * (M - 4096)))
@@ -154,8 +149,7 @@ def test_larger_all_reduce_grows_until_it_measures_the_sustained_rate(monkeypatc
     # a link too fast to reach SUSTAINED_S below the cap: the cap's time is used
     asked.clear()
     fast = {k: v / 100 for k, v in times.items()}
-    _fake_measurements(monkeypatch, fast, codec_per_elem=9e-9)
-    monkeypatch.setattr(collectives, "time_all_reduce", timed(fast))
+    _fake_measurements(monkeypatch, fast, codec_per_elem=9e-9, asked=asked)
     f = autotune.measure_local(state, torch.device("cpu"))
     assert [n for n, d in asked if d == f32] == [4096, M, 4 * M, 16 * M]
     assert f.s_per_byte == pytest.approx((64.3e-5 - 0.3e-5) / (4 * (16 * M - 4096)))
@@ -166,7 +160,6 @@ def test_noisy_all_reduce_timings_never_make_the_link_free(monkeypatch):
     host), the figures take the larger one's time as all bandwidth instead of a zero cost per byte
     (which made every bucket go plain on the H200 at 25 Gbit/s: 0.66x the bf16 hook)."""
     from types import SimpleNamespace
-    from fp8_comm_hook import collectives
     times = {(4096, torch.float32): 5.2e-3, (1 << 20, torch.float32): 5.1e-3,
              (4096, torch.bfloat16): 3.0e-3, (1 << 20, torch.bfloat16): 2.9e-3}
     # another rank's 1M all-reduce took SUSTAINED_S: nothing larger is timed
@@ -298,7 +291,6 @@ def chk_forced_mixed_plan(rank, W):
 def chk_forced_bf16_plan(rank, W):
     """A plan that sends the large buckets with the bf16 recipe, the small ones plain: the mean within
     bf16's error, every rank bit-identical, the bf16 buckets counted with half the bytes."""
-    from fp8_comm_hook import collectives
     return dict(_forced_plan_run(rank, "bf16"), bf16_sums=collectives.bf16_all_reduce_works(None, torch.device("cpu")))
 
 
@@ -306,7 +298,6 @@ def chk_bf16_wire_is_kept_and_exact(rank, W):
     """auto's bf16 buckets cast into a bf16 buffer kept in the bucket's plan (the same buffer every
     step); cast_all_reduce into a given buffer gives the bits of the recipe with a new tensor (two
     calls on different data), and refuses a buffer of the wrong dtype or shape."""
-    from fp8_comm_hook import collectives
     gen = torch.Generator().manual_seed(100 + rank)
     wire = torch.empty(5000, dtype=torch.bfloat16)
     same = []
