@@ -192,6 +192,18 @@ class AutoPlan:
                      "-" if tc is None else f"{tc * 1e3:.3f} ms")
         return d[0]
 
+    def always_plain(self, element_sizes) -> bool:
+        """Whether every bucket of gradients of these element sizes (bytes) goes plain, whatever its
+        size: FP8 never beats the plain all-reduce (no break-even size) and the bf16 recipe, where a
+        candidate, costs no less per element (both share the collective's fixed cost)."""
+        f = self.figures
+        for e in element_sizes:
+            if break_even_numel(f, e, self.fp8_bpe) is not None:
+                return False
+            if self.cast and e > 2 and predict_cast_s(f, 1) - f.latency_s < f.s_per_byte * e:
+                return False
+        return True
+
     def report(self) -> dict:
         """The figures, the break-even bucket sizes for 4- and 2-byte gradients (None: never), and
         each bucket size seen so far with its choice and both predictions (ms)."""
@@ -312,6 +324,10 @@ def tune(state, device: Optional[torch.device] = None, **kw) -> AutoPlan:
     bucket sizes. A collective: call it on every rank of the state's group at the same point.
     Returns the plan."""
     device = torch.device(device if device is not None else "cpu")
+    if getattr(state, "ddp_native_all_reduce", False):
+        log.warning("fp8_comm_hook: auto: this state's DDP model runs DDP's own all-reduce (at registration no "
+                    "bucket size was predicted to gain from FP8 or bf16, so no hook was registered); a new plan "
+                    "takes effect only through register_ddp_hook on a new DDP model")
     f = measure(state, device, **kw)
     cfg = state.config
     cast = f.bf16_s_per_elem >= 0   # measured only where the group sums bf16

@@ -165,7 +165,7 @@ def _parse_field(name: str, text: str):
 
 def env_switch(name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
     """A switch that is on unless the environment variable ``name`` says "0", "false", "no" or "off"
-    (any case): ``FP8_COMM_CUDA_GRAPHS``, ``FP8_COMM_WORKER`` (``FP8_COMM_WORKERS``, a count, is read
+    (any case): ``FP8_COMM_CUDA_GRAPHS``, ``FP8_COMM_WORKER``, ``FP8_COMM_AUTO_NATIVE`` (``FP8_COMM_WORKERS``, a count, is read
     by :mod:`fp8_comm_hook.ddp`)."""
     environ = os.environ if environ is None else environ
     return environ.get(name, "1").strip().lower() not in _FALSE

@@ -43,6 +43,9 @@ def fp8_hook(state: FP8CommState, bucket: dist.GradBucket) -> torch.futures.Futu
 
 _WORKER_ENV = "FP8_COMM_WORKER"
 _WORKERS_ENV = "FP8_COMM_WORKERS"
+#: ``FP8_COMM_AUTO_NATIVE=0``: ``algorithm="auto"`` registers its hook even where it predicts the plain
+#: all-reduce for every bucket (to count the buckets in ``stats()``, or to re-plan later with ``tune``).
+_AUTO_NATIVE_ENV = "FP8_COMM_AUTO_NATIVE"
 
 
 def _worker_count(device: Optional[torch.device] = None) -> int:
@@ -94,7 +97,10 @@ def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, conf
     has the same config, and checks that ``nccl_fp8`` can run. On gloo it creates a second process
     group with the same ranks for a communication worker thread (so the backward never waits on the
     wire; ``FP8_COMM_WORKER=0`` turns it off); for ``algorithm="auto"`` it times the group's
-    all-reduce and the codec to choose per bucket (:mod:`fp8_comm_hook.autotune`); on CUDA with NCCL buckets run as captured CUDA graphs
+    all-reduce and the codec to choose per bucket (:mod:`fp8_comm_hook.autotune`), and where it
+    predicts the plain all-reduce for every bucket size registers no hook at all (DDP's own all-reduce
+    is faster than any hook's; ``state.ddp_native_all_reduce`` is then True; ``FP8_COMM_AUTO_NATIVE=0``
+    registers the hook anyway); on CUDA with NCCL buckets run as captured CUDA graphs
     on a communication stream (``FP8_COMM_CUDA_GRAPHS=0`` turns them off). Raises ``RuntimeError`` if a comm hook
     is already registered, ``ValueError`` for a config that cannot run here.
 
@@ -117,7 +123,18 @@ def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, conf
         collectives.check_nccl_fp8_supported(pg, registry.model_device(ddp_model))
     _start_worker(state, pg, registry.model_device(ddp_model))
     if state.config.algorithm == "auto":
-        autotune.tune(state, registry.model_device(ddp_model))  # same figures, same choices on every rank
+        plan = autotune.tune(state, registry.model_device(ddp_model))  # same figures, same choices on every rank
+        sizes = sorted({p.element_size() for p in ddp_model.parameters() if p.requires_grad})
+        if plan.always_plain(sizes) and env_switch(_AUTO_NATIVE_ENV):
+            # A hook averaging plain buckets divides in a pass of its own after the all-reduce; DDP's own
+            # path folds the division into its copy of the gradients into the bucket (one CPU core per
+            # rank, 12.6M-parameter MLP, unshaped: a plain-all-reduce hook 4-5 ms a step slower than DDP).
+            state.ddp_native_all_reduce = True
+            registry.record_state(ddp_model, state)
+            log.info("fp8_comm_hook: auto: the plain all-reduce is predicted fastest for every bucket size of %s "
+                     "gradients on this group: DDP's own all-reduce is left in place (no hook registered; "
+                     "state.stats() counts nothing; %s=0 registers it anyway)", "/".join(f"{e}-byte" for e in sizes), _AUTO_NATIVE_ENV)
+            return state
     try:
         ddp_model.register_comm_hook(state, fp8_hook)
     except RuntimeError as e:

@@ -60,7 +60,7 @@ class FP8CommState:
 
     __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
                  "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
-                 "_world", "_graphs", "_workers", "_side_groups", "_auto", "_plans", "_buffer_plans", "_param_plans", "__weakref__")
+                 "_world", "_graphs", "_workers", "_side_groups", "_auto", "ddp_native_all_reduce", "_plans", "_buffer_plans", "_param_plans", "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -83,6 +83,9 @@ class FP8CommState:
         self._workers: tuple = ()                    # gloo: threads that run FP8 buckets, see use_workers()
         self._side_groups: tuple = ()                # ... and the process group each issues them on
         self._auto = None                            # algorithm="auto": (numel, element size) -> mode, see set_auto_plan
+        # True where register_ddp_hook left DDP's own all-reduce in place (algorithm="auto" found no
+        # bucket size to gain): no hook runs, so the counters of stats() stay at zero
+        self.ddp_native_all_reduce = False
         self._plans: Dict[tuple, tuple] = {}         # DDP buckets' reusable plans, see prepare_bucket()
         self._buffer_plans: Dict[int, tuple] = {}    # ... the same, found by the bucket buffer's tensor object
         self._param_plans: Dict[int, tuple] = {}     # id of a parameter -> key of the plan of the bucket holding it
@@ -407,7 +410,8 @@ class FP8CommState:
     def stats(self) -> Dict[str, int]:
         """Counters since registration: steps, bytes_sent, bytes_baseline, compressed_buckets (FP8),
         uncompressed_buckets (plain), bf16_buckets (``algorithm="auto"`` chose the bf16 recipe),
-        nonfinite_buckets, saturated_values (reading device counters)."""
+        nonfinite_buckets, saturated_values (reading device counters). All zero where
+        ``ddp_native_all_reduce`` is True (``algorithm="auto"`` left DDP's own all-reduce in place)."""
         return self._stats.as_dict()
 
     # ------------------------------------------------------------------ loss scaling

@@ -479,7 +479,8 @@ def _time_model(spec, m, device, rank, tracer=None):
                 times.append(float(t) * 1e3)
             if tracer is not None and i == last and rank == 0 and mode.startswith("fp8"):
                 print(tracer.report(mode, float(t) * 1e3), flush=True)
-    auto = next((st.auto_plan.report() for mode, _, _, _, st, _ in runs if mode == "auto"), None)
+    auto = next((dict(st.auto_plan.report(), ddp_native_all_reduce=st.ddp_native_all_reduce)
+                 for mode, _, _, _, st, _ in runs if mode == "auto"), None)
     out = {mode: times for mode, _, _, _, _, times in runs}
     del runs
     if device.type == "cuda":

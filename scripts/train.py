@@ -603,7 +603,7 @@ def train(args, grad_comm, config, rank, world, backend, device) -> dict:
     dist.all_reduce(losses)
     losses = (losses / world).tolist()
 
-    if state is not None:
+    if state is not None and not state.ddp_native_all_reduce:   # else auto left DDP's own all-reduce
         hook_stats = state.stats()
         sent, baseline = hook_stats["bytes_sent"], hook_stats["bytes_baseline"]
     else:

@@ -275,8 +275,53 @@ def test_auto_without_a_plan_is_two_shot_and_says_so(caplog):
 
 # ---------------------------------------------------------------------------------- gloo worlds
 def _auto_ddp(model, **ddp_kw):
-    d = DDP(model, **ddp_kw)
-    return d, register_ddp_hook(d, FP8CommConfig(algorithm="auto", min_compress_numel=0))
+    """An auto-registered DDP model whose hook is registered whatever the plan (these checks force
+    plans or count buckets; :func:`chk_native_all_reduce_where_nothing_gains` covers the other case)."""
+    import os
+    os.environ["FP8_COMM_AUTO_NATIVE"] = "0"
+    try:
+        d = DDP(model, **ddp_kw)
+        return d, register_ddp_hook(d, FP8CommConfig(algorithm="auto", min_compress_numel=0))
+    finally:
+        del os.environ["FP8_COMM_AUTO_NATIVE"]
+
+
+def chk_native_all_reduce_where_nothing_gains(rank, W):
+    """Figures where no bucket size gains from FP8 or bf16 (a loopback-like link): register_ddp_hook
+    leaves DDP's own all-reduce in place, no hook (the gradients are bit-identical to a DDP model
+    without one, the state counts nothing); with FP8_COMM_AUTO_NATIVE=0 the hook is registered and
+    sends every bucket plain (the same mean within fp32 rounding, every bucket counted)."""
+    import os
+    fast = Figures(latency_s=20e-6, s_per_byte=0.1e-9, codec_fixed_s=200e-6, codec_s_per_elem=2e-9,
+                   cast_s_per_elem=0.5e-9, bf16_s_per_elem=0.3e-9)
+    real = autotune.measure
+    autotune.measure = lambda state, device, **kw: fast
+    try:
+        ref_model = mlp(depth=4, width=128)
+        plain = DDP(copy.deepcopy(ref_model), bucket_cap_mb=0.1)
+        native = DDP(copy.deepcopy(ref_model), bucket_cap_mb=0.1)
+        st = register_ddp_hook(native, FP8CommConfig(algorithm="auto", min_compress_numel=0))
+        os.environ["FP8_COMM_AUTO_NATIVE"] = "0"
+        try:
+            hooked = DDP(copy.deepcopy(ref_model), bucket_cap_mb=0.1)
+            st_hooked = register_ddp_hook(hooked, FP8CommConfig(algorithm="auto", min_compress_numel=0))
+        finally:
+            del os.environ["FP8_COMM_AUTO_NATIVE"]
+    finally:
+        autotune.measure = real
+    errs = []
+    for it in range(3):
+        for m in (plain, native, hooked):
+            local_grads(m, *batch(rank, it))
+        errs += [rel_err(a.grad, b.grad) for a, b in zip(hooked.parameters(), plain.parameters())]
+    try:
+        register_ddp_hook(native, FP8CommConfig(algorithm="auto"))
+        again = "registered twice"
+    except RuntimeError as e:
+        again = str(e)
+    return dict(native=st.ddp_native_all_reduce, hooked=st_hooked.ddp_native_all_reduce,
+                same_bits=all(torch.equal(a.grad, b.grad) for a, b in zip(native.parameters(), plain.parameters())),
+                native_stats=st.stats(), hooked_stats=st_hooked.stats(), max_err=max(errs), again=again)
 
 
 def chk_registration_measures_same_plan(rank, W):
@@ -372,7 +417,7 @@ def chk_tune_on_request(rank, W):
                 figures=plan.figures)
 
 
-CHECKS = [chk_registration_measures_same_plan, chk_forced_mixed_plan, chk_forced_bf16_plan,
+CHECKS = [chk_registration_measures_same_plan, chk_native_all_reduce_where_nothing_gains, chk_forced_mixed_plan, chk_forced_bf16_plan,
           chk_bf16_wire_is_kept_and_exact, chk_measure_combines_different_figures, chk_tune_on_request]
 
 
@@ -390,6 +435,31 @@ def test_registration_plan_agrees_across_ranks(world):
     assert all(x["stats"]["steps"] == 3 for x in v)
     f = v[0]["figures"]
     assert all(f[k] >= 0 for k in f) and f["latency_s"] + f["s_per_byte"] > 0
+
+
+def test_auto_leaves_ddp_native_where_nothing_gains(world):
+    W, res = world
+    for x in values(res, "chk_native_all_reduce_where_nothing_gains"):
+        assert x["native"] is True and x["hooked"] is False
+        assert x["same_bits"]
+        assert x["native_stats"]["steps"] == 0 and x["native_stats"]["bytes_sent"] == 0
+        s = x["hooked_stats"]
+        assert s["steps"] == 3 and s["uncompressed_buckets"] > 0 and s["compressed_buckets"] == s["bf16_buckets"] == 0
+        assert x["max_err"] < 1e-6
+        assert "already registered" in x["again"]
+
+
+def test_always_plain():
+    assert AutoPlan(FAST_LINK, 2, BPE).always_plain([2, 4])
+    assert not AutoPlan(SLOW_LINK, 2, BPE).always_plain([4])
+    assert not AutoPlan(SLOW_LINK, 2, BPE).always_plain([2, 4])
+    # bf16's 2 + 2 * 0.5 ns/element beat the plain 4 ns for fp32 gradients; bf16 gradients have no cast
+    assert not AutoPlan(LAN_LINK, 2, BPE, cast=True).always_plain([4])
+    assert AutoPlan(LAN_LINK, 2, BPE, cast=False).always_plain([4])
+    assert AutoPlan(LAN_LINK, 2, BPE, cast=True).always_plain([2])
+    # a link where FP8 never pays for fp32 gradients but does for fp64 ones (7 bytes saved per element)
+    f = Figures(latency_s=20e-6, s_per_byte=1e-9, codec_fixed_s=200e-6, codec_s_per_elem=1.5e-9)
+    assert AutoPlan(f, 2, BPE).always_plain([2, 4]) and not AutoPlan(f, 2, BPE).always_plain([4, 8])
 
 
 def test_forced_mixed_plan_runs_both_paths(world):
