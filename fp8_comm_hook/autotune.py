@@ -328,7 +328,7 @@ def tune(state, device: Optional[torch.device] = None, **kw) -> AutoPlan:
     bucket sizes. A collective: call it on every rank of the state's group at the same point.
     Returns the plan."""
     device = torch.device(device if device is not None else "cpu")
-    if getattr(state, "ddp_native_all_reduce", False):
+    if state.ddp_native_all_reduce:
         log.warning("fp8_comm_hook: auto: this state's DDP model runs DDP's own all-reduce (at registration no "
                     "bucket size was predicted to gain from FP8 or bf16, so no hook was registered); a new plan "
                     "takes effect only through register_ddp_hook on a new DDP model")

@@ -129,7 +129,7 @@ def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, conf
             # A hook averaging plain buckets divides in a pass of its own after the all-reduce; DDP's own
             # path folds the division into its copy of the gradients into the bucket (one CPU core per
             # rank, 12.6M-parameter MLP, unshaped: a plain-all-reduce hook 4-5 ms a step slower than DDP).
-            state.ddp_native_all_reduce = True
+            state.leave_ddp_native_all_reduce()
             registry.record_state(ddp_model, state)
             log.info("fp8_comm_hook: auto: the plain all-reduce is predicted fastest for every bucket size of %s "
                      "gradients on this group: DDP's own all-reduce is left in place (no hook registered; "

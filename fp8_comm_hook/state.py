@@ -60,7 +60,7 @@ class FP8CommState:
 
     __slots__ = ("config", "process_group", "step", "layouts_built", "loss_scale", "_stats", "_names", "_layouts",
                  "_owner", "_stored_residuals", "_codecs", "_generators", "_bucket_in_step", "_pool", "_step_open",
-                 "_world", "_graphs", "_workers", "_side_groups", "_auto", "ddp_native_all_reduce", "_plans", "_buffer_plans", "_param_plans", "__weakref__")
+                 "_world", "_graphs", "_workers", "_side_groups", "_auto", "_ddp_native", "_plans", "_buffer_plans", "_param_plans", "__weakref__")
 
     def __init__(self, config: Optional[FP8CommConfig] = None, process_group=None):
         if config is not None and not isinstance(config, FP8CommConfig):
@@ -85,7 +85,7 @@ class FP8CommState:
         self._auto = None                            # algorithm="auto": (numel, element size) -> mode, see set_auto_plan
         # True where register_ddp_hook left DDP's own all-reduce in place (algorithm="auto" found no
         # bucket size to gain): no hook runs, so the counters of stats() stay at zero
-        self.ddp_native_all_reduce = False
+        self._ddp_native = False
         self._plans: Dict[tuple, tuple] = {}         # DDP buckets' reusable plans, see prepare_bucket()
         self._buffer_plans: Dict[int, tuple] = {}    # ... the same, found by the bucket buffer's tensor object
         self._param_plans: Dict[int, tuple] = {}     # id of a parameter -> key of the plan of the bucket holding it
@@ -401,6 +401,17 @@ class FP8CommState:
     def bucket_in_step(self) -> int:
         """How many buckets (or FSDP flat gradients) this step has reduced so far."""
         return self._bucket_in_step
+
+    @property
+    def ddp_native_all_reduce(self) -> bool:
+        """True where ``register_ddp_hook`` left DDP's own all-reduce in place (``algorithm="auto"``
+        predicted the plain all-reduce for every bucket size): no hook runs for this state."""
+        return self._ddp_native
+
+    def leave_ddp_native_all_reduce(self) -> None:
+        """Record that no hook was registered for this state and DDP's own all-reduce runs (called by
+        ``register_ddp_hook``; the counters of :meth:`stats` then stay at zero)."""
+        self._ddp_native = True
 
     @property
     def stats_recorder(self) -> CommStats:
