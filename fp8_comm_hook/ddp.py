@@ -89,6 +89,26 @@ def _start_worker(state: FP8CommState, pg, device: Optional[torch.device] = None
     state.use_workers(sides)
 
 
+def _plan_auto(state: FP8CommState, ddp_model: torch.nn.Module) -> bool:
+    """``algorithm="auto"``'s set-up (a collective): measure the group and the codec, give ``state``
+    its plan, and return True where the plain all-reduce is predicted fastest for every bucket size
+    of the model's gradients, so that no hook should be registered (``state.ddp_native_all_reduce``
+    is then True); ``FP8_COMM_AUTO_NATIVE=0`` makes it return False."""
+    plan = autotune.tune(state, registry.model_device(ddp_model))  # same figures, same choices on every rank
+    sizes = sorted({p.element_size() for p in ddp_model.parameters() if p.requires_grad})
+    if not (plan.always_plain(sizes) and env_switch(_AUTO_NATIVE_ENV)):
+        return False
+    # A hook averaging plain buckets divides in a pass of its own after the all-reduce; DDP's own
+    # path folds the division into its copy of the gradients into the bucket (one CPU core per
+    # rank, 12.6M-parameter MLP, unshaped: a plain-all-reduce hook 4-5 ms a step slower than DDP).
+    state.leave_ddp_native_all_reduce()
+    log.info("fp8_comm_hook: auto: the plain all-reduce is predicted fastest for every bucket size of %s "
+             "gradients on this group: DDP's own all-reduce is left in place (no hook registered; "
+             "state.stats() counts nothing; %s=0 registers it anyway)", "/".join(f"{e}-byte" for e in sizes),
+             _AUTO_NATIVE_ENV)
+    return True
+
+
 def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, config: Optional[FP8CommConfig] = None,
                       process_group=None) -> FP8CommState:
     """Register :func:`fp8_hook` on ``ddp_model`` and return its :class:`FP8CommState`.
@@ -122,19 +142,9 @@ def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, conf
     if state.config.algorithm == "nccl_fp8":
         collectives.check_nccl_fp8_supported(pg, registry.model_device(ddp_model))
     _start_worker(state, pg, registry.model_device(ddp_model))
-    if state.config.algorithm == "auto":
-        plan = autotune.tune(state, registry.model_device(ddp_model))  # same figures, same choices on every rank
-        sizes = sorted({p.element_size() for p in ddp_model.parameters() if p.requires_grad})
-        if plan.always_plain(sizes) and env_switch(_AUTO_NATIVE_ENV):
-            # A hook averaging plain buckets divides in a pass of its own after the all-reduce; DDP's own
-            # path folds the division into its copy of the gradients into the bucket (one CPU core per
-            # rank, 12.6M-parameter MLP, unshaped: a plain-all-reduce hook 4-5 ms a step slower than DDP).
-            state.leave_ddp_native_all_reduce()
-            registry.record_state(ddp_model, state)
-            log.info("fp8_comm_hook: auto: the plain all-reduce is predicted fastest for every bucket size of %s "
-                     "gradients on this group: DDP's own all-reduce is left in place (no hook registered; "
-                     "state.stats() counts nothing; %s=0 registers it anyway)", "/".join(f"{e}-byte" for e in sizes), _AUTO_NATIVE_ENV)
-            return state
+    if state.config.algorithm == "auto" and _plan_auto(state, ddp_model):
+        registry.record_state(ddp_model, state)
+        return state
     try:
         ddp_model.register_comm_hook(state, fp8_hook)
     except RuntimeError as e:

@@ -11,7 +11,9 @@ fixed batch after ``--warmup`` steps, the modes' steps interleaved; reported per
 - ``host_us_per_bucket``: median over steps of the host time spent inside the comm hook (its Future
   callbacks included when they run inline, as NCCL's do) divided by the buckets of the step (None
   for DDP's built-in fp32 all-reduce, which has no Python hook);
-- ``buckets``: hook calls per step.
+- ``buckets``: hook calls per step;
+- ``ddp_native_all_reduce``: auto registered no hook (it predicted the plain all-reduce fastest for
+  every bucket size, as ``register_ddp_hook`` then does) and DDP's own all-reduce ran.
 
 Modes: ``fp32`` (DDP's own all-reduce), ``bf16`` (torch's ``bf16_compress_hook`` on NCCL, the same
 recipe from :mod:`fp8_comm_hook.cast_hook` elsewhere), ``fp8`` with ``algorithm`` two_shot, nccl_fp8
@@ -96,11 +98,12 @@ def _register(model, mode, algorithm, backend, bucket_state_cfg):
         return timer
     state = FP8CommState(bucket_state_cfg.replace(algorithm=algorithm), pg).bind(model)
     # register_ddp_hook's set-up, with the hook wrapped in the timer: the gloo communication worker ...
-    from fp8_comm_hook.ddp import _start_worker
+    from fp8_comm_hook.ddp import _plan_auto, _start_worker
     _start_worker(state, pg)
-    if algorithm == "auto":  # what register_ddp_hook does: measure the group and the codec, choose per bucket
-        from fp8_comm_hook import autotune
-        autotune.tune(state, next(model.parameters()).device)
+    # what register_ddp_hook does: measure the group and the codec, choose per bucket, and register no
+    # hook where every bucket would go plain (DDP's own all-reduce then runs, as for fp32)
+    if algorithm == "auto" and _plan_auto(state, model):
+        return None
     timer = _HookTimer(fp8_hook)
     model.register_comm_hook(state, timer.make())
     return timer
@@ -164,7 +167,8 @@ class _Run:
         return dict(mode=self.mode, algorithm=self.algorithm, param_dtype=str(self.param_dtype).replace("torch.", ""),
                     numel=self.numel, buckets=self.buckets if self.timer else None,
                     step_ms=statistics.median(self.steps), backward_host_ms=statistics.median(self.backward_host),
-                    host_us_per_bucket=statistics.median(self.hook_us) if self.hook_us else None)
+                    host_us_per_bucket=statistics.median(self.hook_us) if self.hook_us else None,
+                    ddp_native_all_reduce=self.algorithm == "auto" and self.timer is None)
 
 
 def _run_dtype(args, rank, device, param_dtype, modes):
@@ -215,6 +219,8 @@ def _table(rows):
         ratio = f"{r['step_ms'] / base:.2f}x" if base else "-"
         us = "-" if r["host_us_per_bucket"] is None else f"{r['host_us_per_bucket']:.0f}"
         name = r["mode"] if r["algorithm"] is None else f"fp8 {r['algorithm']}"
+        if r.get("ddp_native_all_reduce"):
+            name += " (DDP's own all-reduce)"
         lines.append(f"| {r['param_dtype']} | {name} | {r['step_ms']:.2f} | {ratio} | {r['backward_host_ms']:.2f} | "
                      f"{us} | {r['buckets'] if r['buckets'] is not None else '-'} |")
     return "\n".join(lines)
