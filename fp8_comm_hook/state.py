@@ -410,8 +410,10 @@ class FP8CommState:
 
     def leave_ddp_native_all_reduce(self) -> None:
         """Record that no hook was registered for this state and DDP's own all-reduce runs (called by
-        ``register_ddp_hook``; the counters of :meth:`stats` then stay at zero)."""
+        ``register_ddp_hook``; the counters of :meth:`stats` then stay at zero). The communication
+        workers are closed: no bucket will reach them."""
         self._ddp_native = True
+        self.use_workers([])
 
     @property
     def stats_recorder(self) -> CommStats:

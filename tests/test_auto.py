@@ -324,6 +324,7 @@ def chk_native_all_reduce_where_nothing_gains(rank, W):
     except RuntimeError as e:
         again = str(e)
     return dict(native=st.ddp_native_all_reduce, hooked=st_hooked.ddp_native_all_reduce,
+                workers=(st.worker is None, st_hooked.worker is not None),
                 same_bits=all(torch.equal(a.grad, b.grad) for a, b in zip(native.parameters(), plain.parameters())),
                 native_stats=st.stats(), hooked_stats=st_hooked.stats(), max_err=max(errs), again=again)
 
@@ -445,6 +446,7 @@ def test_auto_leaves_ddp_native_where_nothing_gains(world):
     W, res = world
     for x in values(res, "chk_native_all_reduce_where_nothing_gains"):
         assert x["native"] is True and x["hooked"] is False
+        assert x["workers"] == (True, True)   # gloo: the hooked state keeps its worker, the native one none
         assert x["same_bits"]
         assert x["native_stats"]["steps"] == 0 and x["native_stats"]["bytes_sent"] == 0
         s = x["hooked_stats"]
