@@ -196,13 +196,17 @@ class AutoPlan:
                      "-" if tc is None else f"{tc * 1e3:.3f} ms")
         return d[0]
 
-    def always_plain(self, element_sizes) -> bool:
-        """Whether every bucket of gradients of these element sizes (bytes) goes plain, whatever its
-        size: FP8 never beats the plain all-reduce (no break-even size) and the bf16 recipe, where a
-        candidate, costs no less per element (both share the collective's fixed cost)."""
+    def always_plain(self, element_sizes, max_numel: Optional[Dict[int, int]] = None) -> bool:
+        """Whether every bucket of gradients of these element sizes (bytes) goes plain: FP8 does not
+        beat the plain all-reduce below ``max_numel[element size]`` elements (the largest bucket the
+        model can form; absent or None: whatever the size, i.e. no break-even size at all) and the
+        bf16 recipe, where a candidate, costs no less per element (both share the collective's
+        fixed cost)."""
         f = self.figures
+        max_numel = max_numel or {}
         for e in element_sizes:
-            if break_even_numel(f, e, self.fp8_bpe) is not None:
+            be, cap = break_even_numel(f, e, self.fp8_bpe), max_numel.get(e)
+            if be is not None and (cap is None or be <= cap):
                 return False
             if self.cast and e > 2 and predict_cast_s(f, 1) - f.latency_s < f.s_per_byte * e:
                 return False

@@ -5,7 +5,7 @@ parameter must be named ``bucket`` and annotated types must be real classes).
 """
 import logging
 import os
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -89,14 +89,39 @@ def _start_worker(state: FP8CommState, pg, device: Optional[torch.device] = None
     state.use_workers(sides)
 
 
+def largest_bucket_numel(ddp_model: torch.nn.Module) -> Dict[int, int]:
+    """An upper bound on the elements of the gradient buckets ``ddp_model`` (a DDP model) forms in
+    its steady state, per gradient element size (bytes): DDP closes a bucket once it holds its byte
+    cap (the largest of ``bucket_bytes_cap``, the first bucket's and any per-bucket cap), so a
+    bucket is at most the cap plus its last parameter, and never more than all the gradients of
+    that element size. Not bounded: the first iteration, where DDP may run every gradient as one
+    bucket before it rebuilds them (torch >= 2.13 without ``find_unused_parameters``). Where the
+    model has no ``bucket_bytes_cap``, the total."""
+    total: Dict[int, int] = {}
+    biggest: Dict[int, int] = {}
+    for p in ddp_model.parameters():
+        if p.requires_grad:
+            e = p.element_size()
+            total[e] = total.get(e, 0) + p.numel()
+            biggest[e] = max(biggest.get(e, 0), p.numel())
+    cap = getattr(ddp_model, "bucket_bytes_cap", None)
+    if not cap:
+        return total
+    first = getattr(getattr(ddp_model, "_bucket_config", None), "first_bucket_bytes_cap",
+                    getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20))
+    cap = max([int(cap), int(first)] + [int(c) for c in (getattr(ddp_model, "bucket_bytes_cap_list", None) or ())])
+    return {e: min(total[e], cap // e + biggest[e]) for e in total}
+
+
 def _plan_auto(state: FP8CommState, ddp_model: torch.nn.Module) -> bool:
     """``algorithm="auto"``'s set-up (a collective): measure the group and the codec, give ``state``
     its plan, and return True where the plain all-reduce is predicted fastest for every bucket size
     of the model's gradients, so that no hook should be registered (``state.ddp_native_all_reduce``
     is then True); ``FP8_COMM_AUTO_NATIVE=0`` makes it return False."""
     plan = autotune.tune(state, registry.model_device(ddp_model))  # same figures, same choices on every rank
-    sizes = sorted({p.element_size() for p in ddp_model.parameters() if p.requires_grad})
-    if not (plan.always_plain(sizes) and env_switch(_AUTO_NATIVE_ENV)):
+    largest = largest_bucket_numel(ddp_model)
+    sizes = sorted(largest)
+    if not (plan.always_plain(sizes, largest) and env_switch(_AUTO_NATIVE_ENV)):
         return False
     # A hook averaging plain buckets divides in a pass of its own after the all-reduce; DDP's own
     # path folds the division into its copy of the gradients into the bucket (one CPU core per

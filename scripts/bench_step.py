@@ -13,7 +13,9 @@ fixed batch after ``--warmup`` steps, the modes' steps interleaved; reported per
   for DDP's built-in fp32 all-reduce, which has no Python hook);
 - ``buckets``: hook calls per step;
 - ``ddp_native_all_reduce``: auto registered no hook (it predicted the plain all-reduce fastest for
-  every bucket size, as ``register_ddp_hook`` then does) and DDP's own all-reduce ran.
+  every bucket size, as ``register_ddp_hook`` then does) and DDP's own all-reduce ran;
+- ``auto_plan`` (auto only): the figures auto measured, its break-even sizes and each bucket size's
+  choice with the predicted times (``AutoPlan.report()``).
 
 Modes: ``fp32`` (DDP's own all-reduce), ``bf16`` (torch's ``bf16_compress_hook`` on NCCL, the same
 recipe from :mod:`fp8_comm_hook.cast_hook` elsewhere), ``fp8`` with ``algorithm`` two_shot, nccl_fp8
@@ -83,7 +85,9 @@ def _model(layers: int, width: int, dtype: torch.dtype, device: torch.device) ->
 
 
 def _register(model, mode, algorithm, backend, bucket_state_cfg):
-    """Register the mode's hook behind a timer; returns the timer (None for DDP's own fp32)."""
+    """Register the mode's hook behind a timer; returns (timer, FP8CommState); the timer is None
+    where DDP's own all-reduce runs (fp32, or auto that registered no hook), the state None
+    for fp32 and bf16."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     from fp8_comm_hook import FP8CommState, fp8_hook
@@ -91,11 +95,11 @@ def _register(model, mode, algorithm, backend, bucket_state_cfg):
 
     pg = model.process_group
     if mode == "fp32":
-        return None
+        return None, None
     if mode == "bf16":
         timer = _HookTimer(default_hooks.bf16_compress_hook if backend == "nccl" else bf16_allreduce_hook)
         model.register_comm_hook(pg, timer.make())
-        return timer
+        return timer, None
     state = FP8CommState(bucket_state_cfg.replace(algorithm=algorithm), pg).bind(model)
     # register_ddp_hook's set-up, with the hook wrapped in the timer: the gloo communication worker ...
     from fp8_comm_hook.ddp import _plan_auto, _start_worker
@@ -103,10 +107,10 @@ def _register(model, mode, algorithm, backend, bucket_state_cfg):
     # what register_ddp_hook does: measure the group and the codec, choose per bucket, and register no
     # hook where every bucket would go plain (DDP's own all-reduce then runs, as for fp32)
     if algorithm == "auto" and _plan_auto(state, model):
-        return None
+        return None, state
     timer = _HookTimer(fp8_hook)
     model.register_comm_hook(state, timer.make())
-    return timer
+    return timer, state
 
 
 class _Run:
@@ -122,7 +126,7 @@ class _Run:
         self.numel = sum(p.numel() for p in self.net.parameters())
         self.ddp = DDP(self.net, device_ids=[device.index] if device.type == "cuda" else None,
                        bucket_cap_mb=args.bucket_mb)
-        self.timer = _register(self.ddp, mode, algorithm, args.backend, FP8CommConfig(backend=args.codec))
+        self.timer, self.state = _register(self.ddp, mode, algorithm, args.backend, FP8CommConfig(backend=args.codec))
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-6)
         g = torch.Generator(device="cpu").manual_seed(rank)
         self.x = torch.randn(args.batch, args.width, generator=g).to(device=device, dtype=param_dtype)
@@ -168,7 +172,8 @@ class _Run:
                     numel=self.numel, buckets=self.buckets if self.timer else None,
                     step_ms=statistics.median(self.steps), backward_host_ms=statistics.median(self.backward_host),
                     host_us_per_bucket=statistics.median(self.hook_us) if self.hook_us else None,
-                    ddp_native_all_reduce=self.algorithm == "auto" and self.timer is None)
+                    ddp_native_all_reduce=self.algorithm == "auto" and self.timer is None,
+                    auto_plan=self.state.auto_plan.report() if self.algorithm == "auto" else None)
 
 
 def _run_dtype(args, rank, device, param_dtype, modes):

@@ -422,7 +422,43 @@ def chk_tune_on_request(rank, W):
                 figures=plan.figures)
 
 
-CHECKS = [chk_registration_measures_same_plan, chk_native_all_reduce_where_nothing_gains, chk_forced_mixed_plan, chk_forced_bf16_plan,
+class _MixedDtypeNet(torch.nn.Module):
+    """Three fp32 layers (the largest weight 65,536 elements) and one bf16 layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.fp32 = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.Linear(512, 128), torch.nn.Linear(128, 128))
+        self.bf16 = torch.nn.Linear(128, 128).to(torch.bfloat16)
+
+    def forward(self, x):
+        return self.bf16(self.fp32(x).to(torch.bfloat16)).float()
+
+
+def chk_largest_bucket_bound(rank, W):
+    """ddp.largest_bucket_numel bounds the buckets DDP really forms (cap 0.1 MB, parameters of 128
+    to 65,536 elements, one larger than the cap; fp32 and bf16 ones), recorded by a hook in the
+    steps after the first (after it DDP rebuilds its buckets)."""
+    from fp8_comm_hook.ddp import largest_bucket_numel
+    d = DDP(_MixedDtypeNet(), bucket_cap_mb=0.1)
+    seen = {}
+
+    def hook(step, bucket):
+        e = bucket.buffer().element_size()
+        if step[0] > 0:   # the first iteration may run every gradient as one bucket (not bounded)
+            seen[e] = max(seen.get(e, 0), bucket.buffer().numel())
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    step = [0]
+    d.register_comm_hook(step, hook)
+    g = torch.Generator().manual_seed(rank)
+    for step[0] in range(3):
+        d(torch.randn(8, 128, generator=g)).square().mean().backward()
+    return dict(bound=largest_bucket_numel(d), seen=seen)
+
+
+CHECKS = [chk_largest_bucket_bound, chk_registration_measures_same_plan, chk_native_all_reduce_where_nothing_gains, chk_forced_mixed_plan, chk_forced_bf16_plan,
           chk_bf16_wire_is_kept_and_exact, chk_measure_combines_different_figures, chk_tune_on_request]
 
 
@@ -455,6 +491,15 @@ def test_auto_leaves_ddp_native_where_nothing_gains(world):
         assert "already registered" in x["again"]
 
 
+def test_largest_bucket_bound_holds(world):
+    W, res = world
+    for x in values(res, "chk_largest_bucket_bound"):
+        assert set(x["bound"]) == set(x["seen"]) == {2, 4}
+        assert all(x["seen"][e] <= x["bound"][e] for e in x["seen"])
+        # cap // 4 + the largest fp32 parameter (65,536), below the 148,224 fp32 elements in all; bf16: all
+        assert x["bound"] == {4: 26_214 + 65_536, 2: 16_512}
+
+
 def test_always_plain():
     assert AutoPlan(FAST_LINK, 2, BPE).always_plain([2, 4])
     assert not AutoPlan(SLOW_LINK, 2, BPE).always_plain([4])
@@ -466,6 +511,22 @@ def test_always_plain():
     # a link where FP8 never pays for fp32 gradients but does for fp64 ones (7 bytes saved per element)
     f = Figures(latency_s=20e-6, s_per_byte=1e-9, codec_fixed_s=200e-6, codec_s_per_elem=1.5e-9)
     assert AutoPlan(f, 2, BPE).always_plain([2, 4]) and not AutoPlan(f, 2, BPE).always_plain([4, 8])
+
+
+def test_always_plain_below_the_largest_bucket():
+    """FP8 that would pay only for buckets larger than the model can form leaves every bucket plain."""
+    # a fast link where FP8 saves 0.5 ps per fp32 element net of the codec: it pays from ~4.4e8 elements
+    f = Figures(latency_s=20e-6, s_per_byte=1e-12, codec_fixed_s=200e-6, codec_s_per_elem=1.2e-12)
+    n0 = break_even_numel(f, 4, BPE)
+    assert n0 == int(220e-6 / (1e-12 * (4 - BPE) - 2 * 1.2e-12)) + 1
+    plan = AutoPlan(f, 2, BPE)
+    assert not plan.always_plain([4])                               # no bound: some bucket could gain
+    assert plan.always_plain([4], {4: 6_553_600})                   # 25 MB buckets never reach n0
+    assert plan.always_plain([4], {4: n0 - 1})
+    assert not plan.always_plain([4], {4: n0})
+    assert not plan.always_plain([2, 4], {2: 10, 4: n0})            # any element size that can gain decides
+    assert plan.always_plain([2, 4], {4: 1000})                     # bf16: no break-even at all
+    assert not plan.always_plain([4], {4: None})
 
 
 def test_forced_mixed_plan_runs_both_paths(world):
