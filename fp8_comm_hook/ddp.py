@@ -115,8 +115,8 @@ def largest_bucket_numel(ddp_model: torch.nn.Module) -> Dict[int, int]:
 
 def _plan_auto(state: FP8CommState, ddp_model: torch.nn.Module) -> bool:
     """``algorithm="auto"``'s set-up (a collective): measure the group and the codec, give ``state``
-    its plan, and return True where the plain all-reduce is predicted fastest for every bucket size
-    of the model's gradients, so that no hook should be registered (``state.ddp_native_all_reduce``
+    its plan, and return True where the plain all-reduce is predicted fastest for every bucket the
+    model can form (:func:`largest_bucket_numel`), so that no hook should be registered (``state.ddp_native_all_reduce``
     is then True); ``FP8_COMM_AUTO_NATIVE=0`` makes it return False."""
     plan = autotune.tune(state, registry.model_device(ddp_model))  # same figures, same choices on every rank
     largest = largest_bucket_numel(ddp_model)
@@ -127,8 +127,8 @@ def _plan_auto(state: FP8CommState, ddp_model: torch.nn.Module) -> bool:
     # path folds the division into its copy of the gradients into the bucket (one CPU core per
     # rank, 12.6M-parameter MLP, unshaped: a plain-all-reduce hook 4-5 ms a step slower than DDP).
     state.leave_ddp_native_all_reduce()
-    log.info("fp8_comm_hook: auto: the plain all-reduce is predicted fastest for every bucket size of %s "
-             "gradients on this group: DDP's own all-reduce is left in place (no hook registered; "
+    log.info("fp8_comm_hook: auto: the plain all-reduce is predicted fastest for every bucket of %s "
+             "gradients this model can form on this group: DDP's own all-reduce is left in place (no hook registered; "
              "state.stats() counts nothing; %s=0 registers it anyway)", "/".join(f"{e}-byte" for e in sizes),
              _AUTO_NATIVE_ENV)
     return True
@@ -143,7 +143,7 @@ def register_ddp_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, conf
     group with the same ranks for a communication worker thread (so the backward never waits on the
     wire; ``FP8_COMM_WORKER=0`` turns it off); for ``algorithm="auto"`` it times the group's
     all-reduce and the codec to choose per bucket (:mod:`fp8_comm_hook.autotune`), and where it
-    predicts the plain all-reduce for every bucket size registers no hook at all (DDP's own all-reduce
+    predicts the plain all-reduce for every bucket the model can form registers no hook at all (DDP's own all-reduce
     is faster than any hook's; ``state.ddp_native_all_reduce`` is then True; ``FP8_COMM_AUTO_NATIVE=0``
     registers the hook anyway); on CUDA with NCCL buckets run as captured CUDA graphs
     on a communication stream (``FP8_COMM_CUDA_GRAPHS=0`` turns them off). Raises ``RuntimeError`` if a comm hook

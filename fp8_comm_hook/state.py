@@ -405,7 +405,7 @@ class FP8CommState:
     @property
     def ddp_native_all_reduce(self) -> bool:
         """True where ``register_ddp_hook`` left DDP's own all-reduce in place (``algorithm="auto"``
-        predicted the plain all-reduce for every bucket size): no hook runs for this state."""
+        predicted the plain all-reduce for every bucket the model can form): no hook runs for this state."""
         return self._ddp_native
 
     def leave_ddp_native_all_reduce(self) -> None:

@@ -13,7 +13,7 @@ fixed batch after ``--warmup`` steps, the modes' steps interleaved; reported per
   for DDP's built-in fp32 all-reduce, which has no Python hook);
 - ``buckets``: hook calls per step;
 - ``ddp_native_all_reduce``: auto registered no hook (it predicted the plain all-reduce fastest for
-  every bucket size, as ``register_ddp_hook`` then does) and DDP's own all-reduce ran;
+  every bucket the model can form, as ``register_ddp_hook`` then does) and DDP's own all-reduce ran;
 - ``auto_plan`` (auto only): the figures auto measured, its break-even sizes and each bucket size's
   choice with the predicted times (``AutoPlan.report()``).
 
@@ -103,7 +103,7 @@ def _register(model, mode, algorithm, backend, bucket_state_cfg):
     state = FP8CommState(bucket_state_cfg.replace(algorithm=algorithm), pg).bind(model)
     # register_ddp_hook's set-up, with the hook wrapped in the timer: the gloo communication worker ...
     from fp8_comm_hook.ddp import _plan_auto, _start_worker
-    _start_worker(state, pg)
+    _start_worker(state, pg, next(model.parameters()).device)
     # what register_ddp_hook does: measure the group and the codec, choose per bucket, and register no
     # hook where every bucket would go plain (DDP's own all-reduce then runs, as for fp32)
     if algorithm == "auto" and _plan_auto(state, model):
@@ -172,7 +172,7 @@ class _Run:
                     numel=self.numel, buckets=self.buckets if self.timer else None,
                     step_ms=statistics.median(self.steps), backward_host_ms=statistics.median(self.backward_host),
                     host_us_per_bucket=statistics.median(self.hook_us) if self.hook_us else None,
-                    ddp_native_all_reduce=self.algorithm == "auto" and self.timer is None,
+                    ddp_native_all_reduce=self.state is not None and self.state.ddp_native_all_reduce,
                     auto_plan=self.state.auto_plan.report() if self.algorithm == "auto" else None)
 
 
