@@ -20,6 +20,8 @@ SLOW_LINK = Figures(latency_s=50e-6, s_per_byte=8e-9, codec_fixed_s=200e-6, code
 # Loopback-like: 0.1 ns per byte; the codec's cost per element exceeds what FP8 saves.
 FAST_LINK = Figures(latency_s=20e-6, s_per_byte=0.1e-9, codec_fixed_s=200e-6, codec_s_per_elem=2e-9)
 BPE = autotune.fp8_bytes_per_elem("block", 128)
+# A fast link where FP8 saves 0.57 ps per fp32 element net of the codec: it pays from ~3.9e8 elements.
+BEYOND_ANY_BUCKET = Figures(latency_s=20e-6, s_per_byte=1e-12, codec_fixed_s=200e-6, codec_s_per_elem=1.2e-12)
 
 
 # ---------------------------------------------------------------------------------- pure functions
@@ -305,6 +307,11 @@ def chk_native_all_reduce_where_nothing_gains(rank, W):
         plain = DDP(copy.deepcopy(ref_model), bucket_cap_mb=0.1)
         native = DDP(copy.deepcopy(ref_model), bucket_cap_mb=0.1)
         st = register_ddp_hook(native, FP8CommConfig(algorithm="auto", min_compress_numel=0))
+        # FP8 would pay only from ~3.9e8 elements, far beyond any bucket of this model: native too
+        autotune.measure = lambda state, device, **kw: BEYOND_ANY_BUCKET
+        beyond = register_ddp_hook(DDP(copy.deepcopy(ref_model), bucket_cap_mb=0.1),
+                                   FP8CommConfig(algorithm="auto", min_compress_numel=0))
+        autotune.measure = lambda state, device, **kw: fast
         os.environ["FP8_COMM_AUTO_NATIVE"] = "0"
         try:
             hooked = DDP(copy.deepcopy(ref_model), bucket_cap_mb=0.1)
@@ -324,6 +331,8 @@ def chk_native_all_reduce_where_nothing_gains(rank, W):
     except RuntimeError as e:
         again = str(e)
     return dict(native=st.ddp_native_all_reduce, hooked=st_hooked.ddp_native_all_reduce,
+                beyond=beyond.ddp_native_all_reduce,
+                beyond_break_even=beyond.auto_plan.report()["break_even_numel"]["fp32"],
                 workers=(st.worker is None, st_hooked.worker is not None),
                 same_bits=all(torch.equal(a.grad, b.grad) for a, b in zip(native.parameters(), plain.parameters())),
                 native_stats=st.stats(), hooked_stats=st_hooked.stats(), max_err=max(errs), again=again)
@@ -436,7 +445,7 @@ class _MixedDtypeNet(torch.nn.Module):
 
 def chk_largest_bucket_bound(rank, W):
     """ddp.largest_bucket_numel bounds the buckets DDP really forms (cap 0.1 MB, parameters of 128
-    to 65,536 elements, one larger than the cap; fp32 and bf16 ones), recorded by a hook in the
+    to 65,536 elements, two larger than the cap; fp32 and bf16 ones), recorded by a hook in the
     steps after the first (after it DDP rebuilds its buckets)."""
     from fp8_comm_hook.ddp import largest_bucket_numel
     d = DDP(_MixedDtypeNet(), bucket_cap_mb=0.1)
@@ -482,6 +491,7 @@ def test_auto_leaves_ddp_native_where_nothing_gains(world):
     W, res = world
     for x in values(res, "chk_native_all_reduce_where_nothing_gains"):
         assert x["native"] is True and x["hooked"] is False
+        assert x["beyond"] is True and x["beyond_break_even"] > 10 ** 8   # a break-even, but no bucket reaches it
         assert x["workers"] == (True, True)   # gloo: the hooked state keeps its worker, the native one none
         assert x["same_bits"]
         assert x["native_stats"]["steps"] == 0 and x["native_stats"]["bytes_sent"] == 0
@@ -515,8 +525,7 @@ def test_always_plain():
 
 def test_always_plain_below_the_largest_bucket():
     """FP8 that would pay only for buckets larger than the model can form leaves every bucket plain."""
-    # a fast link where FP8 saves 0.5 ps per fp32 element net of the codec: it pays from ~4.4e8 elements
-    f = Figures(latency_s=20e-6, s_per_byte=1e-12, codec_fixed_s=200e-6, codec_s_per_elem=1.2e-12)
+    f = BEYOND_ANY_BUCKET
     n0 = break_even_numel(f, 4, BPE)
     assert n0 == int(220e-6 / (1e-12 * (4 - BPE) - 2 * 1.2e-12)) + 1
     plan = AutoPlan(f, 2, BPE)
